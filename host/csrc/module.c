@@ -1,0 +1,42 @@
+/* switchagg._core: the per-packet work of switchagg, in C with the GIL released. */
+#include <sys/socket.h>
+
+#include "common.h"
+
+void sa_set_sockbuf(int fd, int bytes) {
+    /* Try the forced variants first (root), then the capped ones. */
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes) != 0)
+        (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0)
+        (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+}
+
+static PyObject *constants(PyObject *self, PyObject *unused) {
+    /* Exposed so that tests can compare the C constants with protocol.py. */
+    return Py_BuildValue(
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "VERSION", SA_VERSION, "UDP_PORT", SA_UDP_PORT, "MSG_DATA", SA_MSG_DATA, "MSG_RESULT", SA_MSG_RESULT,
+        "FLAG_PRIME", SA_FLAG_PRIME, "POOL_SET_BIT", SA_POOL_SET_BIT, "POOL_SLOT_MASK", SA_POOL_SLOT_MASK,
+        "EXP_NONE", SA_EXP_NONE, "HEADER_LEN", SA_HEADER_LEN, "MAX_WORKERS", SA_MAX_WORKERS, "P4_K", SA_P4_K,
+        "P4_NUM_SLOTS", SA_P4_NUM_SLOTS, "MAX_UDP_PAYLOAD", SA_MAX_UDP_PAYLOAD, "MAX_K", SA_MAX_K,
+        "DROP_NREASONS", SA_DROP_NREASONS);
+}
+
+static PyMethodDef methods[] = {
+    {"constants", constants, METH_NOARGS, "The protocol constants compiled into the C code."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "switchagg._core", "switchagg's C packet path.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    if (sa_quant_register(m) < 0 || sa_worker_register(m) < 0 || sa_aggregator_register(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

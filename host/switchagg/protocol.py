@@ -1,0 +1,118 @@
+"""The switchagg wire protocol: the one place its constants are defined in Python.
+
+docs/PROTOCOL.md explains every field. host/csrc/protocol.h, p4/switchagg.p4 and the
+scapy layer repeat these numbers because their languages need them at compile time;
+tests/test_protocol_consistency.py checks that all four agree.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+VERSION = 1
+UDP_PORT = 48879  # 0xBEEF
+
+MSG_DATA = 1  # worker -> aggregator: a contribution
+MSG_RESULT = 2  # aggregator -> worker: the finished sum of a slot
+
+FLAG_PRIME = 0x01  # payload is zero; the packet only carries an exponent ahead
+
+POOL_SET_BIT = 0x8000  # top bit of the pool field: shadow set (0 or 1)
+POOL_SLOT_MASK = 0x7FFF  # low 15 bits: absolute slot index
+
+EXP_NONE = -128  # "no exponent": the block is all zero or no block follows
+
+HEADER_FORMAT = "!BBBbHHHHI"  # version type flags exp job rank pool elems offset
+HEADER_LEN = struct.calcsize(HEADER_FORMAT)  # 16
+
+MAX_WORKERS = 32  # worker bitmaps are 32 bits wide
+P4_K = 64  # elements per packet on the P4 switch (a compile-time constant there)
+P4_NUM_SLOTS = 1024  # slots in the P4 switch's pool (each with two shadow sets)
+MAX_UDP_PAYLOAD = 65507
+MAX_K = (MAX_UDP_PAYLOAD - HEADER_LEN) // 4  # 16372: largest K in one datagram
+DEFAULT_SW_K = 8192  # software aggregator default: 32 KiB payloads make loopback fast
+DEFAULT_SW_SLOTS = 32  # slots (= packets in flight per worker) per job, software
+
+# Drop reasons, in counter-index order (the P4 drop counter uses the same indices).
+DROP_REASONS = (
+    "bad_version",
+    "bad_type",
+    "unknown_job",
+    "bad_rank",
+    "spoofed",
+    "bad_pool",
+    "truncated",
+)
+DROP_INDEX = {name: i for i, name in enumerate(DROP_REASONS)}
+
+# Per-job counters (P4: counter arrays indexed by the job's counter index).
+JOB_COUNTERS = ("aggregated", "multicast", "resent", "retrans_ignored")
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class Header:
+    """One aggregation header; ``values`` is the K-element int32 payload."""
+
+    job: int
+    rank: int
+    slot: int
+    shadow: int = 0
+    offset: int = 0
+    exp: int = EXP_NONE
+    type: int = MSG_DATA
+    flags: int = 0
+    version: int = VERSION
+    elems: int = 0
+    values: list[int] = field(default_factory=list)
+
+    def pack(self) -> bytes:
+        elems = self.elems or len(self.values)
+        pool = (POOL_SET_BIT if self.shadow else 0) | (self.slot & POOL_SLOT_MASK)
+        head = struct.pack(
+            HEADER_FORMAT,
+            self.version,
+            self.type,
+            self.flags,
+            self.exp,
+            self.job,
+            self.rank,
+            pool,
+            elems,
+            self.offset,
+        )
+        return head + struct.pack(f"!{len(self.values)}i", *self.values)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Header:
+        if len(data) < HEADER_LEN:
+            raise ValueError(f"packet of {len(data)} bytes is shorter than the {HEADER_LEN}-byte header")
+        version, type_, flags, exp, job, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, data)
+        body = data[HEADER_LEN:]
+        n = len(body) // 4
+        values = list(struct.unpack(f"!{n}i", body[: 4 * n]))
+        return cls(
+            job=job,
+            rank=rank,
+            slot=pool & POOL_SLOT_MASK,
+            shadow=1 if pool & POOL_SET_BIT else 0,
+            offset=offset,
+            exp=exp,
+            type=type_,
+            flags=flags,
+            version=version,
+            elems=elems,
+            values=values,
+        )
+
+
+def packet_len(k: int) -> int:
+    """UDP payload length of a packet carrying K elements."""
+    return HEADER_LEN + 4 * k
+
+
+def error_bound(n: int, e_max: int) -> float:
+    """Documented float32 bound on |result - exact sum| for one element (docs/PROTOCOL.md)."""
+    return float(n) * 2.0 ** (e_max - 22)

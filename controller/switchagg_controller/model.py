@@ -1,0 +1,94 @@
+"""Plain data shared by the controller's parts: topology, jobs, and switch entries.
+
+The P4-specific mapping from these to table entries lives in p4_program.py; the P4Runtime
+client in p4runtime_client.py applies TableEntry and MulticastGroup objects without knowing
+what they mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MatchValue = int | bytes | tuple[int, int]  # exact/ternary value, or (value, mask) / (value, prefix_len)
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """A host cabled to a switch port."""
+
+    name: str
+    port: int
+    mac: str  # "02:00:00:00:00:01"
+    ip: str  # "10.0.0.1"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The declarative input of switchagg-ctl (see topology.py for the file format)."""
+
+    switch_address: str  # gRPC "host:port" of the P4Runtime server
+    device_id: int
+    hosts: tuple[HostPort, ...]
+    aggregator_ip: str  # the address workers send aggregation packets to
+    aggregator_mac: str  # the source MAC the switch puts on results
+    udp_port: int = 48879
+    cpu_port: int = 255
+    election_id: tuple[int, int] = (0, 1)  # (high, low); must be non-zero
+
+    def host_by_ip(self, ip: str) -> HostPort | None:
+        return next((h for h in self.hosts if h.ip == ip), None)
+
+
+@dataclass(frozen=True)
+class WorkerAddr:
+    """Where one rank's packets come from and its results go to."""
+
+    rank: int
+    ip: str
+    udp_port: int
+    mac: str = ""  # filled from the topology for the P4 switch
+    switch_port: int = -1  # ingress port on the P4 switch; -1 for the software aggregator
+
+
+@dataclass(frozen=True)
+class Job:
+    """One aggregation job as installed on a data plane."""
+
+    job_id: int  # 16-bit id in the packet header
+    name: str
+    n: int  # world size
+    slot_base: int
+    slot_count: int
+    k: int
+    generation: int  # non-zero, changes on every (re)installation
+    workers: tuple[WorkerAddr, ...] = field(default_factory=tuple)
+    counter_index: int = 0  # index into the P4 per-job counter arrays
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """A P4Runtime table entry by P4Info names, e.g. table="MyIngress.job_table"."""
+
+    table: str
+    match: tuple[tuple[str, MatchValue], ...]  # (field name, value), e.g. (("hdr.agg.job", 7),)
+    action: str
+    params: tuple[tuple[str, int | bytes], ...] = ()
+    priority: int = 0
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, MatchValue], ...], int]:
+        return (self.table, self.match, self.priority)
+
+
+@dataclass(frozen=True)
+class MulticastGroup:
+    group_id: int
+    replicas: tuple[tuple[int, int], ...]  # (egress port, instance); instance = rank for jobs
+
+
+@dataclass
+class SwitchState:
+    """Everything the controller wants on the switch; applied as a whole, idempotently."""
+
+    entries: list[TableEntry] = field(default_factory=list)
+    groups: list[MulticastGroup] = field(default_factory=list)

@@ -1,3 +1,507 @@
-#include "common.h"
+/* The worker's packet path: one allreduce streams a tensor through the job's slots with a
+ * window of one chunk per slot, retransmits on timeout, and dequantizes results in place.
+ * Everything between the Python call and its return runs here with the GIL released. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
-int sa_worker_register(PyObject *module) { return 0; }
+#include "common.h"
+#include "quant.h"
+
+#define BATCH 64
+
+enum { SLOT_PRIME, SLOT_DATA, SLOT_DONE };
+
+typedef struct {
+    int64_t chunk;     /* chunk index this slot currently carries */
+    int phase;         /* SLOT_PRIME, SLOT_DATA or SLOT_DONE */
+    uint64_t deadline; /* ns: retransmit when no result by then */
+    uint64_t rto;      /* current retransmission timeout, ns */
+} slot_t;
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    struct sockaddr_in local;
+    int configured;
+    int broken; /* a failed allreduce leaves peers' slot state unknown: refuse further use */
+    int busy;
+    /* job */
+    uint16_t job, rank;
+    int n, slot_base, slot_count, k;
+    uint8_t *sets; /* per slot: the shadow set of its next round, kept across allreduces */
+    uint8_t *pkts; /* per slot: the outstanding packet */
+    uint8_t *rx;   /* BATCH receive buffers */
+    size_t pkt_len;
+    /* timers */
+    uint64_t rto_ns, rto_max_ns, timeout_ns;
+    /* statistics */
+    unsigned long long sent, retransmits, results, stale, allreduces, bytes;
+} Worker;
+
+static PyObject *SwitchaggError, *SwitchaggTimeout;
+
+static void worker_free_bufs(Worker *w) {
+    free(w->sets);
+    free(w->pkts);
+    free(w->rx);
+    w->sets = NULL;
+    w->pkts = NULL;
+    w->rx = NULL;
+}
+
+static void worker_dealloc(Worker *w) {
+    if (w->fd >= 0) close(w->fd);
+    worker_free_bufs(w);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+/* Worker(host="127.0.0.1", port=0): bind the socket now, so its address can be registered
+ * with the control plane before the job is configured. */
+static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"host", "port", NULL};
+    const char *host = "127.0.0.1";
+    int port = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|si", kwlist, &host, &port)) return -1;
+    w->fd = -1;
+    memset(&w->local, 0, sizeof w->local);
+    w->local.sin_family = AF_INET;
+    w->local.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host, &w->local.sin_addr) != 1) {
+        PyErr_Format(PyExc_ValueError, "bind address %s is not an IPv4 address", host);
+        return -1;
+    }
+    w->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    socklen_t sl = sizeof w->local;
+    getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
+    sa_set_sockbuf(w->fd, 16 << 20);
+    return 0;
+}
+
+static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"agg_host", "agg_port", "job", "rank", "n", "slot_base", "slot_count", "k",
+                             "rto", "rto_max", "timeout", NULL};
+    const char *host;
+    int port, job, rank, n, base, count, k;
+    double rto = 0.05, rto_max = 1.0, timeout = 10.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siiiiiii|ddd", kwlist, &host, &port, &job, &rank, &n, &base,
+                                     &count, &k, &rto, &rto_max, &timeout))
+        return NULL;
+    if (w->busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
+    if (job < 0 || job > 0xffff) return PyErr_Format(PyExc_ValueError, "job id %d is not 16-bit", job);
+    if (n < 1 || n > SA_MAX_WORKERS) return PyErr_Format(PyExc_ValueError, "world size %d not in 1..32", n);
+    if (rank < 0 || rank >= n) return PyErr_Format(PyExc_ValueError, "rank %d not in 0..%d", rank, n - 1);
+    if (count < 1 || base < 0 || base + count > SA_POOL_SLOT_MASK + 1)
+        return PyErr_Format(PyExc_ValueError, "slot range %d+%d outside 0..32767", base, count);
+    if (k < 1 || k > SA_MAX_K) return PyErr_Format(PyExc_ValueError, "k=%d not in 1..%d", k, SA_MAX_K);
+    if (!(rto > 0 && rto_max >= rto && timeout > 0))
+        return PyErr_Format(PyExc_ValueError, "need 0 < rto <= rto_max and timeout > 0");
+    struct sockaddr_in agg = {0};
+    agg.sin_family = AF_INET;
+    agg.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host, &agg.sin_addr) != 1)
+        return PyErr_Format(PyExc_ValueError, "aggregator address %s is not an IPv4 address", host);
+    /* connect(): the kernel then only delivers datagrams from the aggregator to us. */
+    if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    worker_free_bufs(w);
+    w->pkt_len = SA_HEADER_LEN + 4 * (size_t)k;
+    w->sets = calloc((size_t)count, 1);
+    w->pkts = malloc((size_t)count * w->pkt_len);
+    w->rx = malloc(BATCH * w->pkt_len);
+    if (!w->sets || !w->pkts || !w->rx) {
+        worker_free_bufs(w);
+        return PyErr_NoMemory();
+    }
+    w->job = (uint16_t)job;
+    w->rank = (uint16_t)rank;
+    w->n = n;
+    w->slot_base = base;
+    w->slot_count = count;
+    w->k = k;
+    w->rto_ns = (uint64_t)(rto * 1e9);
+    w->rto_max_ns = (uint64_t)(rto_max * 1e9);
+    w->timeout_ns = (uint64_t)(timeout * 1e9);
+    w->configured = 1;
+    w->broken = 0;
+    Py_RETURN_NONE;
+}
+
+/* ---- one allreduce ---- */
+
+typedef struct {
+    Worker *w;
+    char kind; /* 'f' or 'i' */
+    void *data;
+    size_t len, chunks;
+    int8_t *exp_local, *exp_max; /* per chunk */
+    slot_t *slots;
+    size_t active, done;
+    size_t bad_index;
+} run_t;
+
+enum { RUN_OK = 0, RUN_NONFINITE, RUN_TIMEOUT, RUN_OSERROR, RUN_NOMEM };
+
+static inline size_t chunk_len(const run_t *r, int64_t c) {
+    size_t off = (size_t)c * (size_t)r->w->k;
+    return r->len - off < (size_t)r->w->k ? r->len - off : (size_t)r->w->k;
+}
+
+/* Build the outstanding packet of slot i for its current chunk and phase. */
+static void build_packet(run_t *r, size_t i) {
+    Worker *w = r->w;
+    slot_t *s = &r->slots[i];
+    uint8_t *p = w->pkts + i * w->pkt_len;
+    struct sa_header *h = (struct sa_header *)p;
+    uint32_t *payload = (uint32_t *)(p + SA_HEADER_LEN);
+    int64_t c = s->chunk;
+    int64_t next = c + w->slot_count;
+    h->version = SA_VERSION;
+    h->type = SA_MSG_DATA;
+    h->job = htons(w->job);
+    h->rank = htons(w->rank);
+    h->pool = htons((uint16_t)((w->sets[i] ? SA_POOL_SET_BIT : 0) | (uint16_t)(w->slot_base + (int)i)));
+    h->elems = htons((uint16_t)w->k);
+    h->offset = htonl((uint32_t)((size_t)c * (size_t)w->k));
+    if (s->phase == SLOT_PRIME) {
+        h->flags = SA_FLAG_PRIME;
+        h->exp = r->exp_local[c];
+        memset(payload, 0, 4 * (size_t)w->k);
+        return;
+    }
+    h->flags = 0;
+    size_t off = (size_t)c * (size_t)w->k, l = chunk_len(r, c);
+    if (r->kind == 'f') {
+        h->exp = (size_t)next < r->chunks ? r->exp_local[next] : SA_EXP_NONE;
+        sa_quantize_be((const float *)r->data + off, l, (size_t)w->k, r->exp_max[c], w->n, payload);
+    } else {
+        h->exp = SA_EXP_NONE;
+        sa_int_to_be((const int32_t *)r->data + off, l, (size_t)w->k, payload);
+    }
+}
+
+static int send_slots(run_t *r, const size_t *which, size_t count) {
+    Worker *w = r->w;
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+    size_t sent = 0;
+    while (sent < count) {
+        size_t m = count - sent < BATCH ? count - sent : BATCH;
+        for (size_t j = 0; j < m; j++) {
+            iov[j].iov_base = w->pkts + which[sent + j] * w->pkt_len;
+            iov[j].iov_len = w->pkt_len;
+            memset(&msgs[j].msg_hdr, 0, sizeof msgs[j].msg_hdr);
+            msgs[j].msg_hdr.msg_iov = &iov[j];
+            msgs[j].msg_hdr.msg_iovlen = 1;
+        }
+        int rc = sendmmsg(w->fd, msgs, (unsigned)m, 0);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            /* A full queue or an ICMP error from an earlier datagram is a loss like any
+             * other: the retransmission timer repairs it. */
+            if (errno == EAGAIN || errno == ENOBUFS || errno == ECONNREFUSED || errno == EHOSTUNREACH ||
+                errno == ENETUNREACH) {
+                sent += m;
+                continue;
+            }
+            return -1;
+        }
+        w->sent += (unsigned long long)rc;
+        w->bytes += (unsigned long long)rc * w->pkt_len;
+        sent += rc > 0 ? (size_t)rc : m;
+    }
+    return 0;
+}
+
+/* Advance slot i after its result arrived; returns 1 if a new packet is outstanding. */
+static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
+    Worker *w = r->w;
+    slot_t *s = &r->slots[i];
+    const struct sa_header *h = (const struct sa_header *)pkt;
+    const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
+    int64_t c = s->chunk, next = c + w->slot_count;
+    w->sets[i] ^= 1; /* this round on this slot is finished for us */
+    if (s->phase == SLOT_PRIME) {
+        r->exp_max[c] = h->exp;
+        s->phase = SLOT_DATA;
+    } else {
+        size_t off = (size_t)c * (size_t)w->k, l = chunk_len(r, c);
+        if (r->kind == 'f') {
+            sa_dequantize_be(payload, l, r->exp_max[c], w->n, (float *)r->data + off);
+            if ((size_t)next < r->chunks) r->exp_max[next] = h->exp;
+        } else {
+            sa_be_to_int(payload, l, (int32_t *)r->data + off);
+        }
+        if ((size_t)next >= r->chunks) {
+            s->phase = SLOT_DONE;
+            r->done++;
+            return 0;
+        }
+        s->chunk = next;
+    }
+    s->rto = w->rto_ns;
+    s->deadline = now + s->rto;
+    build_packet(r, i);
+    return 1;
+}
+
+/* Is this datagram the answer to slot's outstanding request? Returns the slot index or -1. */
+static long match_result(run_t *r, const uint8_t *pkt, size_t len) {
+    Worker *w = r->w;
+    const struct sa_header *h = (const struct sa_header *)pkt;
+    if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
+        ntohs(h->rank) != w->rank || ntohs(h->elems) != w->k)
+        return -1;
+    uint16_t pool = ntohs(h->pool);
+    long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
+    if (i < 0 || (size_t)i >= r->active) return -1;
+    const slot_t *s = &r->slots[i];
+    if (s->phase == SLOT_DONE || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != w->sets[i]) return -1;
+    if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * (size_t)w->k)) return -1;
+    if ((h->flags & SA_FLAG_PRIME) != (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0)) return -1;
+    return i;
+}
+
+static int run_allreduce(run_t *r) {
+    Worker *w = r->w;
+    size_t K = (size_t)w->k;
+    r->chunks = (r->len + K - 1) / K;
+    if (r->chunks == 0) return RUN_OK;
+    r->active = r->chunks < (size_t)w->slot_count ? r->chunks : (size_t)w->slot_count;
+    r->slots = calloc(r->active, sizeof *r->slots);
+    size_t *queue = malloc(r->active * sizeof *queue);
+    if (r->kind == 'f') {
+        r->exp_local = malloc(r->chunks);
+        r->exp_max = malloc(r->chunks);
+    }
+    if (!r->slots || !queue || (r->kind == 'f' && (!r->exp_local || !r->exp_max))) {
+        free(queue);
+        return RUN_NOMEM;
+    }
+    int rc = RUN_OK;
+    if (r->kind == 'f') /* all exponents first: bad input fails before any packet leaves */
+        for (size_t c = 0; c < r->chunks; c++) {
+            size_t bad;
+            if (sa_block_exponent((const float *)r->data + c * K, chunk_len(r, (int64_t)c), &r->exp_local[c],
+                                  &bad) < 0) {
+                r->bad_index = c * K + bad;
+                free(queue);
+                return RUN_NONFINITE;
+            }
+        }
+    uint64_t now = sa_now_ns();
+    for (size_t i = 0; i < r->active; i++) {
+        r->slots[i].chunk = (int64_t)i;
+        r->slots[i].phase = r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
+        r->slots[i].rto = w->rto_ns;
+        r->slots[i].deadline = now + w->rto_ns;
+        build_packet(r, i);
+        queue[i] = i;
+    }
+    if (send_slots(r, queue, r->active) < 0) {
+        free(queue);
+        return RUN_OSERROR;
+    }
+    uint64_t last_progress = now, next_scan = now + w->rto_ns;
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+    while (r->done < r->active) {
+        now = sa_now_ns();
+        int wait_ms = next_scan > now ? (int)((next_scan - now) / 1000000) + 1 : 0;
+        struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
+        int pr = poll(&pfd, 1, wait_ms);
+        if (pr < 0 && errno != EINTR) {
+            rc = RUN_OSERROR;
+            break;
+        }
+        size_t nq = 0;
+        if (pr > 0) {
+            for (int j = 0; j < BATCH; j++) {
+                iov[j].iov_base = w->rx + (size_t)j * w->pkt_len;
+                iov[j].iov_len = w->pkt_len;
+                memset(&msgs[j].msg_hdr, 0, sizeof msgs[j].msg_hdr);
+                msgs[j].msg_hdr.msg_iov = &iov[j];
+                msgs[j].msg_hdr.msg_iovlen = 1;
+            }
+            int got = recvmmsg(w->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+            if (got < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) {
+                rc = RUN_OSERROR;
+                break;
+            }
+            now = sa_now_ns();
+            for (int j = 0; j < got; j++) {
+                const uint8_t *pkt = w->rx + (size_t)j * w->pkt_len;
+                size_t len = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
+                long i = match_result(r, pkt, len);
+                if (i < 0) {
+                    w->stale++;
+                    continue;
+                }
+                w->results++;
+                last_progress = now;
+                if (advance_slot(r, (size_t)i, pkt, now)) queue[nq++] = (size_t)i;
+            }
+        }
+        if (nq && send_slots(r, queue, nq) < 0) {
+            rc = RUN_OSERROR;
+            break;
+        }
+        now = sa_now_ns();
+        if (now >= next_scan) { /* retransmit what timed out, with exponential backoff */
+            nq = 0;
+            uint64_t soonest = now + w->rto_max_ns;
+            for (size_t i = 0; i < r->active; i++) {
+                slot_t *s = &r->slots[i];
+                if (s->phase == SLOT_DONE) continue;
+                if (s->deadline <= now) {
+                    s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
+                    s->deadline = now + s->rto;
+                    queue[nq++] = i;
+                }
+                if (s->deadline < soonest) soonest = s->deadline;
+            }
+            w->retransmits += nq;
+            if (nq && send_slots(r, queue, nq) < 0) {
+                rc = RUN_OSERROR;
+                break;
+            }
+            next_scan = soonest;
+        }
+        if (now - last_progress > w->timeout_ns) {
+            rc = RUN_TIMEOUT;
+            break;
+        }
+    }
+    free(queue);
+    return rc;
+}
+
+/* allreduce(buffer, kind): sum the buffer over all workers, in place. kind 'f' or 'i'. */
+static PyObject *worker_allreduce(Worker *w, PyObject *args) {
+    PyObject *obj;
+    int kind;
+    if (!PyArg_ParseTuple(args, "OC", &obj, &kind)) return NULL;
+    if (!w->configured) return PyErr_Format(SwitchaggError, "worker is not configured with a job");
+    if (w->broken)
+        return PyErr_Format(SwitchaggError,
+                            "an earlier allreduce on this session failed; slot state is unknown, open a new session");
+    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
+    if (w->busy) return PyErr_Format(SwitchaggError, "another allreduce is running on this session");
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (view.len % 4 != 0) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_TypeError, "buffer of %zd bytes is not made of 4-byte elements", view.len);
+    }
+    if ((size_t)view.len / 4 > (size_t)UINT32_MAX) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
+    }
+    run_t r = {.w = w, .kind = (char)kind, .data = view.buf, .len = (size_t)view.len / 4};
+    int rc;
+    w->busy = 1;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = run_allreduce(&r);
+    Py_END_ALLOW_THREADS;
+    w->busy = 0;
+    int err = errno;
+    free(r.slots);
+    free(r.exp_local);
+    free(r.exp_max);
+    PyBuffer_Release(&view);
+    switch (rc) {
+    case RUN_OK:
+        w->allreduces++;
+        Py_RETURN_NONE;
+    case RUN_NONFINITE:
+        return PyErr_Format(PyExc_ValueError,
+                            "tensor element %zu is NaN, infinite or above 2^127: refusing to allreduce it",
+                            r.bad_index);
+    case RUN_TIMEOUT:
+        w->broken = 1;
+        return PyErr_Format(SwitchaggTimeout,
+                            "no result from the aggregator for %.1f s (job %u, rank %u, %zu of %zu slots done): "
+                            "a peer worker or the aggregator is gone",
+                            (double)w->timeout_ns / 1e9, w->job, w->rank, r.done, r.active);
+    case RUN_NOMEM:
+        return PyErr_NoMemory();
+    default:
+        w->broken = 1;
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
+static PyObject *worker_stats(Worker *w, PyObject *unused) {
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "sent", w->sent, "retransmits", w->retransmits, "results",
+                         w->results, "stale", w->stale, "allreduces", w->allreduces, "bytes_sent", w->bytes);
+}
+
+static PyObject *worker_close(Worker *w, PyObject *unused) {
+    if (w->busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
+    if (w->fd >= 0) close(w->fd);
+    w->fd = -1;
+    w->configured = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *worker_address(Worker *w, void *unused) {
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &w->local.sin_addr, buf, sizeof buf);
+    return Py_BuildValue("(si)", buf, ntohs(w->local.sin_port));
+}
+
+static PyMethodDef worker_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0)"},
+    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS, "allreduce(buffer, kind): in-place sum, GIL released."},
+    {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
+    {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef worker_getset[] = {
+    {"address", (getter)worker_address, NULL, "(ip, port) the socket is bound to", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WorkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "switchagg._core.Worker",
+    .tp_basicsize = sizeof(Worker),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A worker endpoint: Worker(host, port) binds; configure() sets the job; allreduce() sums.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)worker_init,
+    .tp_dealloc = (destructor)worker_dealloc,
+    .tp_methods = worker_methods,
+    .tp_getset = worker_getset,
+};
+
+int sa_worker_register(PyObject *module) {
+    SwitchaggError = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggError", "A switchagg operation failed.",
+                                               PyExc_RuntimeError, NULL);
+    if (!SwitchaggError) return -1;
+    PyObject *bases = PyTuple_Pack(2, SwitchaggError, PyExc_TimeoutError);
+    SwitchaggTimeout = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggTimeout",
+                                                 "No progress within the session timeout.", bases, NULL);
+    Py_XDECREF(bases);
+    if (!SwitchaggTimeout) return -1;
+    if (PyType_Ready(&WorkerType) < 0) return -1;
+    Py_INCREF(SwitchaggError);
+    Py_INCREF(SwitchaggTimeout);
+    Py_INCREF(&WorkerType);
+    if (PyModule_AddObject(module, "SwitchaggError", SwitchaggError) < 0 ||
+        PyModule_AddObject(module, "SwitchaggTimeout", SwitchaggTimeout) < 0 ||
+        PyModule_AddObject(module, "Worker", (PyObject *)&WorkerType) < 0)
+        return -1;
+    return 0;
+}

@@ -1,0 +1,150 @@
+"""A worker's view of one aggregation job: open a session, allreduce tensors in place."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any
+
+import numpy as np
+
+from switchagg import _core, protocol
+
+_KINDS = {np.dtype(np.float32): "f", np.dtype(np.int32): "i"}
+
+
+def _as_array(tensor: Any) -> np.ndarray:
+    """A writable, contiguous numpy view of a numpy array or CPU torch tensor (no copy)."""
+    if type(tensor).__module__.startswith("torch"):
+        if tensor.device.type != "cpu":
+            raise TypeError(f"switchagg reduces CPU tensors; got a tensor on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise TypeError("switchagg needs a contiguous tensor (call .contiguous() first)")
+        tensor = tensor.detach().numpy()
+    if not isinstance(tensor, np.ndarray):
+        raise TypeError(f"expected a numpy array or a CPU torch tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _KINDS:
+        raise TypeError(f"switchagg sums float32 and int32 tensors; got {tensor.dtype}")
+    if not tensor.flags.c_contiguous:
+        raise TypeError("switchagg needs a C-contiguous array")
+    if not tensor.flags.writeable:
+        raise TypeError("the array is read-only; allreduce works in place")
+    return tensor
+
+
+class Session:
+    """One rank of one job on a data plane (the P4 switch or the software aggregator).
+
+    ``allreduce`` sums in place over all ranks; ``allreduce_async`` returns a future and runs
+    the C packet path on the session's own thread, one allreduce at a time in call order.
+    """
+
+    def __init__(
+        self,
+        job: int,
+        rank: int,
+        world_size: int,
+        aggregator: tuple[str, int] = ("127.0.0.1", protocol.UDP_PORT),
+        slot_base: int = 0,
+        slot_count: int = protocol.DEFAULT_SW_SLOTS,
+        k: int = protocol.DEFAULT_SW_K,
+        timeout: float = 10.0,
+        bind: tuple[str, int] = ("127.0.0.1", 0),
+        rto: float = 0.05,
+        rto_max: float = 1.0,
+        _worker: _core.Worker | None = None,
+    ) -> None:
+        self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1])
+        self._worker.configure(
+            aggregator[0],
+            aggregator[1],
+            job,
+            rank,
+            world_size,
+            slot_base,
+            slot_count,
+            k,
+            rto=rto,
+            rto_max=rto_max,
+            timeout=timeout,
+        )
+        self.job, self.rank, self.world_size, self.k = job, rank, world_size, k
+        self.aggregator = aggregator
+        self.slot_base, self.slot_count = slot_base, slot_count
+        self.data_plane = "software"
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_job_service(
+        cls,
+        service: str,
+        secret: str,
+        job_name: str,
+        world_size: int,
+        rank: int | None = None,
+        bind: tuple[str, int] = ("127.0.0.1", 0),
+        timeout: float = 10.0,
+        join_timeout: float = 60.0,
+    ) -> Session:
+        """Join ``job_name`` through the controller's job service and open its session."""
+        from switchagg import jobclient
+
+        worker = _core.Worker(bind[0], bind[1])
+        ip, port = worker.address
+        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank=rank, timeout=join_timeout)
+        session = cls(
+            a.job_id,
+            a.rank,
+            a.world_size,
+            (a.aggregator_ip, a.aggregator_port),
+            a.slot_base,
+            a.slot_count,
+            a.k,
+            timeout=timeout,
+            _worker=worker,
+        )
+        session.data_plane = a.data_plane
+        session.assignment = a
+        return session
+
+    @property
+    def local_address(self) -> tuple[str, int]:
+        address: tuple[str, int] = self._worker.address
+        return address
+
+    def allreduce(self, tensor: Any) -> None:
+        """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly)."""
+        array = _as_array(tensor)
+        if self._closed:
+            raise _core.SwitchaggError("the session is closed")
+        with self._lock:
+            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+
+    def allreduce_async(self, tensor: Any) -> concurrent.futures.Future[None]:
+        array = _as_array(tensor)  # type errors surface now, not in the future
+        if self._closed:
+            raise _core.SwitchaggError("the session is closed")
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="switchagg")
+        return self._executor.submit(self.allreduce, array)
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = self._worker.stats()
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with self._lock:
+            self._worker.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

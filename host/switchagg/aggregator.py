@@ -1,0 +1,221 @@
+"""The software aggregator: `_core.Aggregator` served in a daemon thread, and its console script.
+
+switchagg-aggregator --port 48879 --job 7:2:0:32:8192 --stats-interval 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import Any
+
+from switchagg import _core
+from switchagg.protocol import DEFAULT_SW_K, DEFAULT_SW_SLOTS, DROP_REASONS, JOB_COUNTERS, UDP_PORT
+
+Counters = dict[str, Any]
+
+_JOIN_TIMEOUT_S = 10.0  # run() notices stop() within ~50 ms; this only guards against a hang
+
+
+class SoftwareAggregator:
+    """A UDP aggregator serving in a background thread; the GIL is released while it serves."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        drop_in: float = 0.0,
+        dup_in: float = 0.0,
+        drop_out: float = 0.0,
+        dup_out: float = 0.0,
+        seed: int = 1,
+    ) -> None:
+        self._agg = _core.Aggregator(
+            host=host,
+            port=port,
+            drop_in=drop_in,
+            dup_in=dup_in,
+            drop_out=drop_out,
+            dup_out=dup_out,
+            seed=seed,
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (str(self._agg.host), int(self._agg.port))
+
+    @property
+    def port(self) -> int:
+        return int(self._agg.port)
+
+    def add_job(
+        self,
+        job_id: int,
+        n: int,
+        slot_base: int,
+        slot_count: int,
+        k: int,
+        generation: int = 1,
+        addrs: Sequence[tuple[str, int]] | None = None,
+    ) -> None:
+        """Install a job; with ``addrs`` rank r's packets must come from ``addrs[r]`` (else: learnt)."""
+        self._agg.add_job(
+            job_id, n, slot_base, slot_count, k, generation, None if addrs is None else list(addrs)
+        )
+
+    def remove_job(self, job_id: int) -> None:
+        self._agg.remove_job(job_id)
+
+    def counters(self) -> Counters:
+        result: Counters = self._agg.counters()
+        return result
+
+    def start(self) -> SoftwareAggregator:
+        if self._thread is not None:
+            raise RuntimeError("the aggregator is already started")
+        self._thread = threading.Thread(
+            target=self._serve, name=f"switchagg-aggregator:{self.port}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        try:
+            self._agg.run()
+        except BaseException as exc:  # reported by stop(); a daemon thread has nobody else to tell
+            self._error = exc
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; raises if the serving thread failed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._agg.stop()  # a stop() that lands before run() started is kept until run() sees it
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                raise RuntimeError("the aggregator's serving thread did not stop")
+        self._agg.close()
+        if self._error is not None:
+            raise RuntimeError(f"the aggregator's serving thread failed: {self._error!r}") from self._error
+
+    def __enter__(self) -> SoftwareAggregator:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def format_counters(c: Counters) -> str:
+    """A readable table of an aggregator's counters."""
+    lines = [f"rx {c['rx']}  tx {c['tx']}"]
+    drops = "  ".join(f"{name} {c['drops'][name]}" for name in DROP_REASONS)
+    lines.append(f"drops: {drops}")
+    faults = "  ".join(f"{name} {value}" for name, value in c["faults"].items())
+    lines.append(f"faults: {faults}")
+    header = f"{'job':>6} " + " ".join(f"{name:>16}" for name in JOB_COUNTERS)
+    lines.append(header)
+    for job_id in sorted(c["jobs"]):
+        row = c["jobs"][job_id]
+        lines.append(f"{job_id:>6} " + " ".join(f"{row[name]:>16}" for name in JOB_COUNTERS))
+    return "\n".join(lines)
+
+
+def parse_job(spec: str) -> tuple[int, int, int, int, int, int]:
+    """ID:N:BASE:COUNT:K[:GEN] -> (job_id, n, slot_base, slot_count, k, generation)."""
+    parts = spec.split(":")
+    if len(parts) not in (5, 6):
+        raise argparse.ArgumentTypeError(f"--job {spec!r}: expected ID:N:BASE:COUNT:K[:GEN]")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--job {spec!r}: every field must be an integer") from None
+    if len(nums) == 5:
+        nums.append(1)
+    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5])
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in [0, 1]")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="switchagg-aggregator",
+        description="The switchagg software aggregator: in-network style gradient aggregation over UDP.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="IPv4 address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=UDP_PORT, help=f"UDP port (default {UDP_PORT})")
+    p.add_argument(
+        "--job",
+        action="append",
+        type=parse_job,
+        default=[],
+        metavar="ID:N:BASE:COUNT:K[:GEN]",
+        help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}; GEN defaults to 1",
+    )
+    p.add_argument(
+        "--drop-in", type=_probability, default=0.0, help="drop received datagrams with this probability"
+    )
+    p.add_argument("--dup-in", type=_probability, default=0.0, help="process received datagrams twice")
+    p.add_argument("--drop-out", type=_probability, default=0.0, help="drop sent datagrams")
+    p.add_argument("--dup-out", type=_probability, default=0.0, help="send datagrams twice")
+    p.add_argument("--seed", type=int, default=1, help="fault injection seed")
+    p.add_argument(
+        "--stats-interval", type=float, default=0.0, metavar="SECONDS", help="print counters periodically"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        agg = SoftwareAggregator(
+            args.host,
+            args.port,
+            drop_in=args.drop_in,
+            dup_in=args.dup_in,
+            drop_out=args.drop_out,
+            dup_out=args.dup_out,
+            seed=args.seed,
+        )
+        for job in args.job:
+            agg.add_job(*job)
+    except (ValueError, OSError) as exc:
+        print(f"switchagg-aggregator: {exc}", file=sys.stderr)
+        return 2
+
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    agg.start()
+    host, port = agg.address
+    jobs = (
+        ", ".join(f"{j[0]} (n={j[1]}, slots {j[2]}..{j[2] + j[3] - 1}, K={j[4]})" for j in args.job) or "none"
+    )
+    print(f"switchagg-aggregator listening on {host}:{port}; jobs: {jobs}", flush=True)
+    interval = args.stats_interval if args.stats_interval > 0 else None
+    while not done.wait(interval):
+        print(format_counters(agg.counters()), flush=True)
+    final = agg.counters()
+    agg.stop()
+    print("final counters:\n" + format_counters(final), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

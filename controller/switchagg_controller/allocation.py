@@ -1,0 +1,122 @@
+"""Slot ranges in the aggregators' pools: the P4 switch's and the software aggregator's.
+
+Jobs get contiguous ranges that never overlap; a job that does not fit on the preferred data
+plane is placed on the other one when that is allowed (the software fallback), and the
+placement says where it went.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from switchagg import protocol
+
+P4 = "p4"
+SOFTWARE = "software"
+SW_POOL_SLOTS = protocol.POOL_SLOT_MASK + 1  # 32768: the pool field's 15 bits
+
+
+class AllocationError(Exception):
+    """A slot range could not be placed; the message says why."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    data_plane: str  # P4 or SOFTWARE
+    slot_base: int
+    slot_count: int
+
+
+class SlotPool:
+    """First-fit allocation of contiguous ranges in 0..size-1."""
+
+    def __init__(self, name: str, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"pool {name!r} needs a positive size, not {size}")
+        self.name = name
+        self.size = size
+        self._used: dict[int, int] = {}  # base -> count
+
+    def allocate(self, count: int) -> int:
+        if not 1 <= count <= self.size:
+            raise AllocationError(f"{self.name}: a job needs 1..{self.size} slots, not {count}")
+        base = 0
+        for used_base, used_count in sorted(self._used.items()):
+            if used_base - base >= count:
+                break
+            base = max(base, used_base + used_count)
+        if base + count > self.size:
+            raise AllocationError(
+                f"{self.name}: no free range of {count} slots ({self.free_slots()} of {self.size} free)"
+            )
+        self._used[base] = count
+        return base
+
+    def reserve(self, base: int, count: int) -> None:
+        """Marks a known range as used (reloading saved jobs); refuses overlaps."""
+        if base < 0 or count < 1 or base + count > self.size:
+            raise AllocationError(f"{self.name}: range {base}+{count} is outside 0..{self.size - 1}")
+        for used_base, used_count in self._used.items():
+            if base < used_base + used_count and used_base < base + count:
+                raise AllocationError(f"{self.name}: range {base}+{count} overlaps {used_base}+{used_count}")
+        self._used[base] = count
+
+    def free(self, base: int) -> None:
+        if self._used.pop(base, None) is None:
+            raise AllocationError(f"{self.name}: no range starts at slot {base}")
+
+    def free_slots(self) -> int:
+        return self.size - sum(self._used.values())
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return sorted(self._used.items())
+
+
+class SlotAllocator:
+    """The pools of the data planes this controller runs; thread-safe."""
+
+    def __init__(self, p4_slots: int | None = protocol.P4_NUM_SLOTS, sw_slots: int | None = SW_POOL_SLOTS):
+        self._pools: dict[str, SlotPool] = {}
+        if p4_slots:
+            self._pools[P4] = SlotPool("P4 switch pool", p4_slots)
+        if sw_slots:
+            self._pools[SOFTWARE] = SlotPool("software aggregator pool", sw_slots)
+        if not self._pools:
+            raise ValueError("an allocator needs at least one pool")
+        self._lock = threading.Lock()
+
+    def has(self, data_plane: str) -> bool:
+        return data_plane in self._pools
+
+    def place(self, wants: list[tuple[str, int]]) -> Placement:
+        """Places a range on the first (data plane, slot count) choice that fits."""
+        if not wants:
+            raise AllocationError("no data plane to place the job on")
+        reasons = []
+        with self._lock:
+            for data_plane, count in wants:
+                pool = self._pools.get(data_plane)
+                if pool is None:
+                    reasons.append(f"no {data_plane} data plane is configured")
+                    continue
+                try:
+                    return Placement(data_plane, pool.allocate(count), count)
+                except AllocationError as e:
+                    reasons.append(str(e))
+        raise AllocationError("; ".join(reasons))
+
+    def reserve(self, placement: Placement) -> None:
+        with self._lock:
+            pool = self._pools.get(placement.data_plane)
+            if pool is None:
+                raise AllocationError(f"no {placement.data_plane} data plane is configured")
+            pool.reserve(placement.slot_base, placement.slot_count)
+
+    def release(self, placement: Placement) -> None:
+        with self._lock:
+            self._pools[placement.data_plane].free(placement.slot_base)
+
+    def ranges(self, data_plane: str) -> list[tuple[int, int]]:
+        with self._lock:
+            return self._pools[data_plane].ranges()

@@ -1,0 +1,113 @@
+"""SQLite persistence of the controller's own state, so a restarted controller picks up its jobs.
+
+What is stored: every installed job (id, name, data plane, slot range, K, generation, counter
+index), its workers' addresses and whether each has left, and the generation counter. Pending
+joins are not stored: a worker still waiting in Join sees its call fail and joins again.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from switchagg_controller.model import Job, WorkerAddr
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, data_plane TEXT NOT NULL,
+    n INTEGER NOT NULL, slot_base INTEGER NOT NULL, slot_count INTEGER NOT NULL, k INTEGER NOT NULL,
+    generation INTEGER NOT NULL, counter_index INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    job_id INTEGER NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE, rank INTEGER NOT NULL,
+    ip TEXT NOT NULL, udp_port INTEGER NOT NULL, mac TEXT NOT NULL, switch_port INTEGER NOT NULL,
+    left_job INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (job_id, rank));
+"""
+
+MAX_GENERATION = 0xFFFF
+
+
+@dataclass
+class JobRecord:
+    """A job as the controller keeps it: the installed Job plus bookkeeping."""
+
+    job: Job
+    data_plane: str  # allocation.P4 or allocation.SOFTWARE
+    left: set[int] = field(default_factory=set)  # ranks that called Leave
+
+
+class Store:
+    """One SQLite file; every method is a transaction. Thread-safe."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def next_generation(self) -> int:
+        """The next non-zero 16-bit generation; persisted so a restart never reuses a recent one."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+            gen = (row[0] if row else 0) % MAX_GENERATION + 1
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('generation', ?)", (gen,))
+            return int(gen)
+
+    def save(self, record: JobRecord) -> None:
+        """Inserts or replaces a job and its workers."""
+        j = record.job
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (j.job_id,))
+            self._db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    j.job_id,
+                    j.name,
+                    record.data_plane,
+                    j.n,
+                    j.slot_base,
+                    j.slot_count,
+                    j.k,
+                    j.generation,
+                    j.counter_index,
+                ),
+            )
+            self._db.executemany(
+                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (j.job_id, w.rank, w.ip, w.udp_port, w.mac, w.switch_port, int(w.rank in record.left))
+                    for w in j.workers
+                ],
+            )
+
+    def mark_left(self, job_id: int, rank: int) -> None:
+        with self._lock, self._db:
+            self._db.execute("UPDATE workers SET left_job = 1 WHERE job_id = ? AND rank = ?", (job_id, rank))
+
+    def delete(self, job_id: int) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+
+    def load(self) -> list[JobRecord]:
+        with self._lock:
+            jobs = self._db.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
+            workers = self._db.execute("SELECT * FROM workers ORDER BY job_id, rank").fetchall()
+        by_job: dict[int, list[tuple[WorkerAddr, bool]]] = {}
+        for job_id, rank, ip, port, mac, switch_port, left in workers:
+            by_job.setdefault(job_id, []).append((WorkerAddr(rank, ip, port, mac, switch_port), bool(left)))
+        records = []
+        for job_id, name, data_plane, n, base, count, k, gen, counter_index in jobs:
+            ws = by_job.get(job_id, [])
+            job = Job(job_id, name, n, base, count, k, gen, tuple(w for w, _ in ws), counter_index)
+            records.append(JobRecord(job, data_plane, {w.rank for w, left in ws if left}))
+        return records

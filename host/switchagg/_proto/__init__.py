@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the job service (proto/switchagg/jobs.proto); see proto/generate.sh."""

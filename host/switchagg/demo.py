@@ -1,0 +1,101 @@
+"""switchagg-demo: a multi-worker allreduce on the embedded software aggregator.
+
+Starts a software aggregator in this process, spawns N worker processes that each allreduce
+an int32 and a float32 tensor, and checks every result against the exact sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+from switchagg import protocol
+
+
+def _inputs(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 + rank)
+    return rng.integers(-(2**20), 2**20, size, dtype=np.int32), rng.standard_normal(size, dtype=np.float32)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
+    from switchagg import Session
+
+    xi, xf = _inputs(rank, args.size)
+    try:
+        with Session(1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout) as s:
+            times = []
+            for _ in range(args.iters):
+                yi, yf = xi.copy(), xf.copy()
+                t0 = time.perf_counter()
+                s.allreduce(yi)
+                s.allreduce(yf)
+                times.append(time.perf_counter() - t0)
+            exact_i = sum(_inputs(r, args.size)[0].astype(np.int64) for r in range(args.workers))
+            exact_f = sum(_inputs(r, args.size)[1].astype(np.float64) for r in range(args.workers))
+            int_ok = bool(np.array_equal(yi, exact_i.astype(np.int32)))
+            err = float(np.max(np.abs(yf - exact_f)))
+            peak = max(float(np.max(np.abs(_inputs(r, args.size)[1]))) for r in range(args.workers))
+            bound = protocol.error_bound(args.workers, int(np.frexp(peak)[1]))
+            out.put((rank, int_ok, err <= bound, err, min(times), s.stats(), ""))
+    except Exception as e:  # reported by the parent, which decides the exit code
+        out.put((rank, False, False, float("inf"), 0.0, {}, f"{type(e).__name__}: {e}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="switchagg-demo", description=__doc__)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--size", type=int, default=1_000_000, help="elements per tensor")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--k", type=int, default=protocol.DEFAULT_SW_K, help="elements per packet")
+    p.add_argument("--slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots (packets in flight)")
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--drop", type=float, default=0.0, help="inject this loss probability both ways")
+    args = p.parse_args(argv)
+
+    from switchagg.aggregator import SoftwareAggregator
+
+    agg = SoftwareAggregator("127.0.0.1", 0, drop_in=args.drop, drop_out=args.drop)
+    agg.add_job(1, args.workers, 0, args.slots, args.k, 1)
+    agg.start()
+    port = agg.address[1]
+    print(f"software aggregator on 127.0.0.1:{port}; {args.workers} workers, {args.size:,} elements, K={args.k}")
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args, port, out)) for r in range(args.workers)]
+    for proc in procs:
+        proc.start()
+    results = []
+    deadline = time.monotonic() + args.timeout * (args.iters + 2) + 60
+    while len(results) < args.workers and time.monotonic() < deadline:
+        try:
+            results.append(out.get(timeout=1.0))
+        except Exception:
+            if not any(proc.is_alive() for proc in procs) and out.empty():
+                break
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    c = agg.counters()
+    agg.stop()
+    ok = len(results) == args.workers
+    mb = args.size * 4 / 1e6
+    for rank, int_ok, within, err, best, stats, error in sorted(results):
+        good = int_ok and within and not error
+        ok &= good
+        line = error or (
+            f"int32 exact={int_ok}  float32 max|err|={err:.2e}  best {best * 1e3:.1f} ms for 2x{mb:.0f} MB "
+            f"({2 * mb / best / 1e3:.2f} GB/s)  retransmits={stats.get('retransmits', 0)}"
+        )
+        print(f"rank {rank}: {'OK ' if good else 'BAD'} {line}")
+    print(f"aggregator: rx={c['rx']} tx={c['tx']} drops={sum(c['drops'].values())} faults={c.get('faults', {})}")
+    print("demo", "passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

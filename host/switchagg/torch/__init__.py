@@ -1,0 +1,11 @@
+"""PyTorch integration: the "switchagg" c10d backend and a DDP comm hook (docs/TORCH.md).
+
+Importing this package registers the backend, so ``init_process_group("switchagg")`` works.
+"""
+
+from switchagg.torch.backend import BACKEND_NAME, ProcessGroupSwitchagg, register
+from switchagg.torch.hook import SwitchaggHookState, allreduce_hook
+
+register()
+
+__all__ = ["BACKEND_NAME", "ProcessGroupSwitchagg", "SwitchaggHookState", "allreduce_hook", "register"]

@@ -1,0 +1,154 @@
+"""The "switchagg" c10d backend: SUM allreduce of float32/int32 CPU tensors in the network,
+everything else on an inner gloo group built on the same store."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from switchagg.torch.dataplane import DataPlane, open_data_plane
+from switchagg.torch.work import FutureWork, completed_work
+
+BACKEND_NAME = "switchagg"
+AGGREGATOR_KEY = "switchagg/aggregator"
+SUPPORTED_DTYPES = (torch.float32, torch.int32)
+
+
+def network_reducible(tensors: list[torch.Tensor], op: Any) -> bool:
+    """Whether switchagg can sum these: SUM of dense CPU float32/int32 tensors of one dtype."""
+    if op != dist.ReduceOp.SUM or not tensors:
+        return False
+    dtype = tensors[0].dtype
+    return dtype in SUPPORTED_DTYPES and all(
+        t.dtype == dtype and t.device.type == "cpu" and t.layout == torch.strided for t in tensors
+    )
+
+
+class ProcessGroupSwitchagg(dist.ProcessGroup):
+    """A Python ProcessGroup whose registered CPU backend is gloo.
+
+    Only allreduce/allreduce_coalesced are overridden; every other collective falls through to
+    the C++ ProcessGroup, which dispatches to the registered gloo backend, so DDP's broadcasts,
+    barriers and allgathers work unchanged.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str) -> None:
+        # Only the (rank, size) constructor builds the Python-overridable trampoline; the stub lacks it.
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        # Any: the torch stubs do not declare Backend's collectives.
+        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._lock = threading.Lock()
+        self._plane: DataPlane | None = open_data_plane(rank, size, _store_share(store), group_tag)
+        atexit.register(self.close)
+
+    def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def gloo(self) -> Any:
+        return self._gloo
+
+    @property
+    def data_plane(self) -> DataPlane:
+        if self._plane is None:
+            raise RuntimeError("the switchagg process group is closed")
+        return self._plane
+
+    def close(self) -> None:
+        with self._lock:
+            plane, self._plane = self._plane, None
+        if plane is not None:
+            plane.close()
+
+    def allreduce(
+        self, tensors: Any, opts: Any = None, timeout: timedelta | None = None
+    ) -> dist.Work:
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        elif not isinstance(opts, dist.AllreduceOptions):  # the allreduce(tensors, op) form
+            opts = _options(opts)
+        if not network_reducible(tensors, opts.reduceOp):
+            return self._gloo.allreduce(tensors, opts)
+        return self._network_sum(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        if opts is None:
+            opts = dist.AllreduceCoalescedOptions()
+        if not network_reducible(tensors, opts.reduceOp):
+            return self._gloo.allreduce_coalesced(tensors, opts)
+        return self._network_sum(tensors)
+
+    def _network_sum(self, tensors: list[torch.Tensor]) -> dist.Work:
+        """One network allreduce over all tensors (flattened into one buffer when there are several)."""
+        session = self.data_plane.session
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            pending = session.allreduce_async(tensors[0])
+            return FutureWork(pending, lambda: tensors)
+        if sum(t.numel() for t in tensors) == 0:
+            return completed_work(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+
+        def scatter_back() -> list[torch.Tensor]:
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+            return tensors
+
+        return FutureWork(session.allreduce_async(flat), scatter_back)
+
+
+def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+def _store_share(store: dist.Store) -> Any:
+    def share(value: str | None) -> str:
+        if value is not None:
+            store.set(AGGREGATOR_KEY, value)
+            return value
+        return store.get(AGGREGATOR_KEY).decode()  # blocks up to the store's timeout
+
+    return share
+
+
+def create_process_group(
+    store: dist.Store, rank: int, size: int, timeout: timedelta
+) -> ProcessGroupSwitchagg:
+    """The creator function c10d calls for init_process_group("switchagg") and new_group()."""
+    # c10d hands each group a store prefixed with its own name, so the tag only names the job.
+    tag = f"g{_next_group_tag()}"
+    return ProcessGroupSwitchagg(store, rank, size, timeout, tag)
+
+
+_group_counter = 0
+_group_counter_lock = threading.Lock()
+
+
+def _next_group_tag() -> int:
+    # Groups are created in the same order on every rank (a c10d requirement), so counters agree.
+    global _group_counter
+    with _group_counter_lock:
+        _group_counter += 1
+        return _group_counter
+
+
+def register() -> None:
+    """Make "switchagg" a c10d backend name (idempotent)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])

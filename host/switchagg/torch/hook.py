@@ -1,0 +1,71 @@
+"""A DDP comm hook that sums gradient buckets through switchagg, for code that keeps gloo as its
+process group: ``ddp.register_comm_hook(SwitchaggHookState(), allreduce_hook)``."""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+import torch.distributed as dist
+
+from switchagg.torch.dataplane import DataPlane, open_data_plane
+
+
+class SwitchaggHookState:
+    """Owns this rank's switchagg data plane; collective: every rank of the group creates one,
+    after init_process_group and in the same order (the aggregator address goes out by broadcast)."""
+
+    _created = 0
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        group = process_group if process_group is not None else dist.group.WORLD
+        if group is None or not dist.is_initialized():
+            raise RuntimeError("SwitchaggHookState needs an initialised process group")
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        SwitchaggHookState._created += 1
+        tag = f"hook{SwitchaggHookState._created}"
+
+        def share(value: str | None) -> str:
+            box: list[str | None] = [value]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            if box[0] is None:
+                raise RuntimeError("rank 0 published no aggregator address")
+            return box[0]
+
+        self.plane: DataPlane | None = open_data_plane(self.rank, self.world_size, share, tag)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            plane.close()
+
+
+def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a gradient bucket like torch's default allreduce_hook, summing it in the network.
+
+    Buckets of other dtypes than float32 (the network path takes float32 and int32; gradients are
+    floating point) go to the process group's own allreduce.
+    """
+    tensor = bucket.buffer()
+    # Divide first, as the default hook does, so results match it to the quantization bound.
+    tensor.div_(state.world_size)
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or state.plane is None:
+        work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+        assert work is not None
+        return work.get_future().then(lambda fut: fut.value()[0])
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    pending = state.plane.session.allreduce_async(tensor)
+
+    def complete(done: object) -> None:
+        try:
+            pending.result()
+        except BaseException as e:
+            result.set_exception(e)  # type: ignore[arg-type]  # torch's stub is wrong
+        else:
+            result.set_result(tensor)
+
+    pending.add_done_callback(complete)
+    return result

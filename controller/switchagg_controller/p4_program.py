@@ -1,0 +1,211 @@
+"""The mapping from topology and jobs to p4/switchagg.p4's tables: the only module that knows P4 names.
+
+Everything returned here is plain model data; p4runtime_client.py writes it to the switch.
+Matches and parameters are ints (MACs and IPv4 addresses as their integer value); the client
+encodes them to the bit widths in the P4Info.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from switchagg import protocol
+
+from .model import Job, MulticastGroup, SwitchState, TableEntry, Topology, WorkerAddr
+
+_REPO = Path(__file__).resolve().parents[2]
+P4_SOURCE = _REPO / "p4" / "switchagg.p4"
+BMV2_JSON = _REPO / "p4" / "build" / "switchagg.json"
+P4INFO = _REPO / "p4" / "build" / "switchagg.p4info.txtpb"
+
+# Table and action names, as in the P4Info.
+L2_TABLE = "MyIngress.l2_forward"
+AGGREGATOR_TABLE = "MyIngress.aggregator"
+JOB_TABLE = "MyIngress.job_table"
+WORKER_TABLE = "MyIngress.worker_table"
+RESULT_TABLE = "MyEgress.result_dst"
+
+# Counter arrays. DROP_COUNTER is indexed by protocol.DROP_INDEX, the job counters by Job.counter_index.
+DROP_COUNTER = "MyIngress.drops"
+JOB_COUNTER_NAMES = {name: f"MyIngress.{name}" for name in protocol.JOB_COUNTERS}
+MAX_JOBS = 64  # size of the per-job counter arrays (MAX_JOBS in the P4 source)
+
+# Register arrays (read with simple_switch_CLI; P4Runtime cannot read bmv2 registers).
+REGISTERS = (
+    "MyIngress.slot_gen",
+    "MyIngress.bitmap",
+    "MyIngress.count",
+    "MyIngress.max_exp",
+    "MyIngress.values",
+)
+
+BROADCAST_MAC = "ff:ff:ff:ff:ff:ff"
+BROADCAST_GROUP = 1  # L2 flood to every host port
+JOB_GROUP_BASE = 0x100  # a job's result group is JOB_GROUP_BASE + its counter index
+
+
+class ProgramError(ValueError):
+    """A job or topology cannot be expressed on the P4 switch; the message says why."""
+
+
+def mac_int(mac: str) -> int:
+    parts = mac.split(":")
+    if len(parts) != 6 or not all(len(p) == 2 for p in parts):
+        raise ProgramError(f"bad MAC address {mac!r}")
+    try:
+        return int("".join(parts), 16)
+    except ValueError:
+        raise ProgramError(f"bad MAC address {mac!r}") from None
+
+
+def ip_int(ip: str) -> int:
+    try:
+        return int(ipaddress.IPv4Address(ip))
+    except ValueError:
+        raise ProgramError(f"bad IPv4 address {ip!r}") from None
+
+
+def job_group(job: Job) -> int:
+    return JOB_GROUP_BASE + job.counter_index
+
+
+def l2_entries(topology: Topology) -> list[TableEntry]:
+    """Unicast by destination MAC to each host's port, broadcast floods, and the aggregator address."""
+    entries = [
+        TableEntry(L2_TABLE, (("dst_mac", mac_int(h.mac)),), "MyIngress.l2_unicast", (("port", h.port),))
+        for h in topology.hosts
+    ]
+    entries.append(
+        TableEntry(
+            L2_TABLE,
+            (("dst_mac", mac_int(BROADCAST_MAC)),),
+            "MyIngress.l2_broadcast",
+            (("group", BROADCAST_GROUP),),
+        )
+    )
+    entries.append(
+        TableEntry(
+            AGGREGATOR_TABLE,
+            (("dst_ip", ip_int(topology.aggregator_ip)),),
+            "MyIngress.to_aggregator",
+            (("mac", mac_int(topology.aggregator_mac)),),
+        )
+    )
+    return entries
+
+
+def l2_groups(topology: Topology) -> list[MulticastGroup]:
+    ports = sorted({h.port for h in topology.hosts})
+    return [MulticastGroup(BROADCAST_GROUP, tuple((p, 0) for p in ports))] if ports else []
+
+
+def _resolve_worker(w: WorkerAddr, topology: Topology) -> tuple[int, str]:
+    """The (switch port, MAC) of a rank, taken from the topology where the job leaves them out."""
+    host = topology.host_by_ip(w.ip)
+    port, mac = w.switch_port, w.mac
+    if port < 0 or not mac:
+        if host is None:
+            raise ProgramError(
+                f"rank {w.rank}: {w.ip} is not a host in the topology, so its switch port is unknown"
+            )
+        port = host.port if port < 0 else port
+        mac = mac or host.mac
+    if not 0 <= port < 511:
+        raise ProgramError(f"rank {w.rank}: switch port {port} is outside 0..510")
+    return port, mac
+
+
+def validate_job(job: Job) -> None:
+    """Refuses jobs the P4 program cannot run, with the reason."""
+    if not 0 <= job.job_id <= 0xFFFF:
+        raise ProgramError(f"job id {job.job_id} is not a 16-bit number")
+    if job.k != protocol.P4_K:
+        raise ProgramError(
+            f"job {job.job_id}: the P4 switch has K = {protocol.P4_K}, the job asks for {job.k}"
+        )
+    if not 1 <= job.n <= protocol.MAX_WORKERS:
+        raise ProgramError(f"job {job.job_id}: {job.n} workers is outside 1..{protocol.MAX_WORKERS}")
+    if job.slot_count < 1 or job.slot_base < 0 or job.slot_base + job.slot_count > protocol.P4_NUM_SLOTS:
+        raise ProgramError(
+            f"job {job.job_id}: slots {job.slot_base}+{job.slot_count} are outside the pool "
+            f"0..{protocol.P4_NUM_SLOTS - 1}"
+        )
+    if not 1 <= job.generation <= 0xFFFF:
+        raise ProgramError(f"job {job.job_id}: generation {job.generation} is not a non-zero 16-bit number")
+    if not 0 <= job.counter_index < MAX_JOBS:
+        raise ProgramError(
+            f"job {job.job_id}: counter index {job.counter_index} is outside 0..{MAX_JOBS - 1}"
+        )
+    ranks = sorted(w.rank for w in job.workers)
+    if ranks != list(range(job.n)):
+        raise ProgramError(
+            f"job {job.job_id}: needs exactly one address for each rank 0..{job.n - 1}, has {ranks}"
+        )
+
+
+def job_state(job: Job, topology: Topology) -> tuple[list[TableEntry], list[MulticastGroup]]:
+    """The entries and the result multicast group of one job."""
+    validate_job(job)
+    group = job_group(job)
+    entries = [
+        TableEntry(
+            JOB_TABLE,
+            (("job", job.job_id),),
+            "MyIngress.set_job",
+            (
+                ("n", job.n),
+                ("mgrp", group),
+                ("slot_base", job.slot_base),
+                ("slot_count", job.slot_count),
+                ("generation", job.generation),
+                ("counter_index", job.counter_index),
+            ),
+        )
+    ]
+    replicas = []
+    for w in sorted(job.workers, key=lambda w: w.rank):
+        port, mac = _resolve_worker(w, topology)
+        if not 0 < w.udp_port <= 0xFFFF:
+            raise ProgramError(f"job {job.job_id} rank {w.rank}: bad UDP port {w.udp_port}")
+        entries.append(
+            TableEntry(
+                WORKER_TABLE,
+                (("job", job.job_id), ("rank", w.rank)),
+                "MyIngress.set_worker",
+                (("port", port), ("ip", ip_int(w.ip))),
+            )
+        )
+        entries.append(
+            TableEntry(
+                RESULT_TABLE,
+                (("job", job.job_id), ("rank", w.rank)),
+                "MyEgress.set_result_dst",
+                (("mac", mac_int(mac)), ("ip", ip_int(w.ip)), ("udp_port", w.udp_port)),
+            )
+        )
+        replicas.append((port, w.rank))  # instance = rank: egress maps it to the rank's address
+    return entries, [MulticastGroup(group, tuple(replicas))]
+
+
+def desired_state(topology: Topology, jobs: list[Job] | tuple[Job, ...]) -> SwitchState:
+    """The whole switch configuration for these jobs; refuses jobs that collide."""
+    state = SwitchState(entries=l2_entries(topology), groups=l2_groups(topology))
+    ids: set[int] = set()
+    counters: set[int] = set()
+    used: list[tuple[int, int, int]] = []
+    for job in jobs:
+        if job.job_id in ids:
+            raise ProgramError(f"job id {job.job_id} is installed twice")
+        if job.counter_index in counters:
+            raise ProgramError(f"job {job.job_id}: counter index {job.counter_index} is used by another job")
+        for base, count, other in used:
+            if job.slot_base < base + count and base < job.slot_base + job.slot_count:
+                raise ProgramError(f"job {job.job_id}: slots overlap those of job {other}")
+        ids.add(job.job_id)
+        counters.add(job.counter_index)
+        used.append((job.slot_base, job.slot_count, job.job_id))
+        entries, groups = job_state(job, topology)
+        state.entries.extend(entries)
+        state.groups.extend(groups)
+    return state

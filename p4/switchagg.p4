@@ -1,0 +1,484 @@
+/* switchagg: in-network integer aggregation (docs/PROTOCOL.md), P4_16 for v1model / bmv2.
+ *
+ * Aggregation packets (UDP to the aggregator address, port 48879) are summed in registers;
+ * everything else is forwarded by an L2 table so the job's ordinary traffic (ARP, TCP
+ * rendezvous) crosses the same switch. The names below are what
+ * controller/switchagg_controller/p4_program.py fills; change both together.
+ */
+#include <core.p4>
+#include <v1model.p4>
+
+/* Must equal host/switchagg/protocol.py (tests/test_protocol_consistency.py checks). */
+const bit<8>  VERSION      = 1;
+const bit<16> UDP_PORT     = 48879;
+const bit<8>  MSG_DATA     = 1;
+const bit<8>  MSG_RESULT   = 2;
+const bit<16> P4_K         = 64;
+const bit<32> P4_NUM_SLOTS = 1024;
+const bit<16> POOL_SLOT_MASK = 0x7FFF;
+
+const bit<16> AGG_UDP_LEN = 8 + 16 + 4 * 64;    /* UDP header + agg header + K values */
+const bit<16> AGG_IP_LEN  = 20 + AGG_UDP_LEN;
+const bit<32> NUM_SETS    = 2 * P4_NUM_SLOTS;    /* (slot, shadow set) pairs */
+const bit<32> MAX_JOBS    = 64;                  /* size of the per-job counter arrays */
+
+/* Drop reasons: the index order of protocol.DROP_REASONS. */
+const bit<32> DROP_BAD_VERSION = 0;
+const bit<32> DROP_BAD_TYPE    = 1;
+const bit<32> DROP_UNKNOWN_JOB = 2;
+const bit<32> DROP_BAD_RANK    = 3;
+const bit<32> DROP_SPOOFED     = 4;
+const bit<32> DROP_BAD_POOL    = 5;
+const bit<32> DROP_TRUNCATED   = 6;
+const bit<32> NUM_DROP_REASONS = 7;
+
+/* What aggregate_slot decided for a DATA packet. */
+const bit<2> OUT_AGGREGATED      = 0;
+const bit<2> OUT_MULTICAST       = 1;
+const bit<2> OUT_RESENT          = 2;
+const bit<2> OUT_RETRANS_IGNORED = 3;
+
+/* The K = 64 payload values are separate header fields (so the parser, the checksum and the
+ * aggregation action can name them); this X-macro repeats a statement for each index. */
+#define FOR_EACH_VALUE(X) \
+    X(0)  X(1)  X(2)  X(3)  X(4)  X(5)  X(6)  X(7)  X(8)  X(9)  X(10) X(11) X(12) X(13) X(14) X(15) \
+    X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(24) X(25) X(26) X(27) X(28) X(29) X(30) X(31) \
+    X(32) X(33) X(34) X(35) X(36) X(37) X(38) X(39) X(40) X(41) X(42) X(43) X(44) X(45) X(46) X(47) \
+    X(48) X(49) X(50) X(51) X(52) X(53) X(54) X(55) X(56) X(57) X(58) X(59) X(60) X(61) X(62) X(63)
+
+typedef bit<48> mac_t;
+typedef bit<32> ip4_t;
+typedef bit<9>  port_t;
+
+header ethernet_t {
+    mac_t   dstAddr;
+    mac_t   srcAddr;
+    bit<16> etherType;
+}
+
+header ipv4_t {
+    bit<4>  version;
+    bit<4>  ihl;
+    bit<8>  diffserv;
+    bit<16> totalLen;
+    bit<16> identification;
+    bit<3>  flags;
+    bit<13> fragOffset;
+    bit<8>  ttl;
+    bit<8>  protocol;
+    bit<16> hdrChecksum;
+    ip4_t   srcAddr;
+    ip4_t   dstAddr;
+}
+
+header udp_t {
+    bit<16> srcPort;
+    bit<16> dstPort;
+    bit<16> length_;
+    bit<16> checksum;
+}
+
+header agg_t {
+    bit<8>  version;
+    bit<8>  type;
+    bit<8>  flags;
+    bit<8>  exp;      /* int8 on the wire; compared with the sign bit flipped */
+    bit<16> job;
+    bit<16> rank;
+    bit<16> pool;     /* bit 15: shadow set, bits 0-14: slot */
+    bit<16> elems;
+    bit<32> offset;
+}
+
+#define VALUE_FIELD(i) bit<32> v##i;
+header vals_t {
+    FOR_EACH_VALUE(VALUE_FIELD)
+}
+
+struct headers_t {
+    ethernet_t ethernet;
+    ipv4_t     ipv4;
+    udp_t      udp;
+    agg_t      agg;
+    vals_t     vals;
+}
+
+struct metadata_t {
+    /* from the aggregator-address table */
+    bit<1>  to_aggregator;
+    mac_t   agg_mac;
+    /* from the job table */
+    bit<1>  job_found;
+    bit<8>  n;
+    bit<16> mgrp;
+    bit<16> slot_base;
+    bit<16> slot_count;
+    bit<16> generation;
+    bit<32> counter_index;
+    /* from the worker table */
+    bit<1>  worker_found;
+    port_t  worker_port;
+    ip4_t   worker_ip;
+    /* the aggregation decision, carried into egress (copied into multicast replicas) */
+    bit<2>  outcome;
+    bit<1>  is_result;
+    bit<1>  multicast;
+    bit<1>  l2_flood;
+    bit<16> dst_rank;
+}
+
+parser MyParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
+                inout standard_metadata_t standard_metadata) {
+    state start {
+        packet.extract(hdr.ethernet);
+        transition select(hdr.ethernet.etherType) {
+            0x0800: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_ipv4 {
+        packet.extract(hdr.ipv4);
+        /* Only option-less, unfragmented UDP can be an aggregation packet. */
+        transition select(hdr.ipv4.ihl, hdr.ipv4.fragOffset, hdr.ipv4.protocol) {
+            (5, 0, 17): parse_udp;
+            default: accept;
+        }
+    }
+
+    state parse_udp {
+        packet.extract(hdr.udp);
+        transition select(hdr.udp.dstPort) {
+            UDP_PORT: check_agg_len;
+            default: accept;
+        }
+    }
+
+    /* A UDP payload shorter than the 16-byte header leaves hdr.agg invalid (ingress counts it
+     * as truncated); the values are parsed only when the length is exactly right, so a packet
+     * of another length keeps hdr.vals invalid. A length field that lies about a short packet
+     * makes extract fail (parser_error), which ingress also counts as truncated. */
+    state check_agg_len {
+        transition select(hdr.udp.length_) {
+            0 &&& 0xFFF0: accept;     /* 0..15  */
+            16 &&& 0xFFF8: accept;    /* 16..23 */
+            default: parse_agg;
+        }
+    }
+
+    state parse_agg {
+        packet.extract(hdr.agg);
+        transition select(hdr.udp.length_) {
+            AGG_UDP_LEN: parse_vals;
+            default: accept;
+        }
+    }
+
+    state parse_vals {
+        packet.extract(hdr.vals);
+        transition accept;
+    }
+}
+
+control MyVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
+    apply { }
+}
+
+control MyIngress(inout headers_t hdr, inout metadata_t meta,
+                  inout standard_metadata_t standard_metadata) {
+
+    /* Aggregation state (docs/PROTOCOL.md "Aggregation state per slot"). Index: slot for
+     * slot_gen, 2 * slot + set for the rest, (2 * slot + set) * K + i for value i. */
+    register<bit<16>>(P4_NUM_SLOTS) slot_gen;
+    register<bit<32>>(NUM_SETS) bitmap;
+    register<bit<8>>(NUM_SETS) count;
+    register<bit<8>>(NUM_SETS) max_exp;
+    register<bit<32>>(NUM_SETS * 64) values;
+
+    counter(NUM_DROP_REASONS, CounterType.packets_and_bytes) drops;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) aggregated;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) multicast;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) resent;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) retrans_ignored;
+
+    action drop() {
+        mark_to_drop(standard_metadata);
+    }
+
+    action drop_for(bit<32> reason) {
+        drops.count(reason);
+        mark_to_drop(standard_metadata);
+    }
+
+    /* ---- ordinary L2 traffic ---- */
+
+    action l2_unicast(port_t port) {
+        standard_metadata.egress_spec = port;
+    }
+
+    action l2_broadcast(bit<16> group) {
+        standard_metadata.mcast_grp = group;
+        meta.l2_flood = 1;
+    }
+
+    table l2_forward {
+        key = { hdr.ethernet.dstAddr: exact @name("dst_mac"); }
+        actions = { l2_unicast; l2_broadcast; drop; }
+        default_action = drop();
+        size = 1024;
+    }
+
+    /* ---- aggregation ---- */
+
+    action to_aggregator(mac_t mac) {
+        meta.to_aggregator = 1;
+        meta.agg_mac = mac;
+    }
+
+    action not_aggregator() {
+        meta.to_aggregator = 0;
+    }
+
+    table aggregator {
+        key = { hdr.ipv4.dstAddr: exact @name("dst_ip"); }
+        actions = { to_aggregator; not_aggregator; }
+        default_action = not_aggregator();
+        size = 16;
+    }
+
+    action set_job(bit<8> n, bit<16> mgrp, bit<16> slot_base, bit<16> slot_count,
+                   bit<16> generation, bit<32> counter_index) {
+        meta.job_found = 1;
+        meta.n = n;
+        meta.mgrp = mgrp;
+        meta.slot_base = slot_base;
+        meta.slot_count = slot_count;
+        meta.generation = generation;
+        meta.counter_index = counter_index;
+    }
+
+    action unknown_job() {
+        meta.job_found = 0;
+    }
+
+    table job_table {
+        key = { hdr.agg.job: exact @name("job"); }
+        actions = { set_job; unknown_job; }
+        default_action = unknown_job();
+        size = MAX_JOBS;
+    }
+
+    action set_worker(port_t port, ip4_t ip) {
+        meta.worker_found = 1;
+        meta.worker_port = port;
+        meta.worker_ip = ip;
+    }
+
+    action unknown_worker() {
+        meta.worker_found = 0;
+    }
+
+    table worker_table {
+        key = {
+            hdr.agg.job: exact @name("job");
+            hdr.agg.rank: exact @name("rank");
+        }
+        actions = { set_worker; unknown_worker; }
+        default_action = unknown_worker();
+        size = 2048;
+    }
+
+#define VALUE_UPDATE(i) \
+        values.read(old, base + i); \
+        sum = is_new ? (first ? hdr.vals.v##i : old + hdr.vals.v##i) : old; \
+        values.write(base + i, sum); \
+        hdr.vals.v##i = sum;
+
+    /* The whole read-modify-write of one slot: bmv2 runs an action atomically with respect to
+     * the registers it uses. Written with ?: (no branches) so every target compiles it. On
+     * return hdr.agg.exp and hdr.vals hold the slot's state, i.e. the result if it is complete. */
+    action aggregate_slot() {
+        bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
+        bit<32> set = (bit<32>)(hdr.agg.pool >> 15);
+        bit<32> si = 2 * slot + set;
+        bit<32> so = 2 * slot + (1 - set);
+
+        bit<16> gen;
+        slot_gen.read(gen, slot);
+        bool fresh = gen != meta.generation;
+        slot_gen.write(slot, meta.generation);
+
+        bit<32> bm_s;
+        bit<32> bm_o;
+        bit<8> cnt_s;
+        bit<8> cnt_o;
+        bit<8> e_s;
+        bitmap.read(bm_s, si);
+        bitmap.read(bm_o, so);
+        count.read(cnt_s, si);
+        count.read(cnt_o, so);
+        max_exp.read(e_s, si);
+        bm_s = fresh ? 32w0 : bm_s;
+        bm_o = fresh ? 32w0 : bm_o;
+        cnt_s = fresh ? 8w0 : cnt_s;
+        cnt_o = fresh ? 8w0 : cnt_o;
+
+        bit<32> me = 32w1 << (bit<8>)hdr.agg.rank;
+        bool is_new = (bm_s & me) == 0;
+        bool first = bm_s == 0;
+        bm_s = bm_s | me;
+        bm_o = is_new ? (bm_o & ~me) : bm_o;
+        cnt_s = is_new ? (first ? 8w1 : cnt_s + 1) : cnt_s;
+        /* signed max: flipping the sign bit maps int8 order onto unsigned order */
+        bool pkt_bigger = (hdr.agg.exp ^ 0x80) > (e_s ^ 0x80);
+        e_s = is_new ? ((first || pkt_bigger) ? hdr.agg.exp : e_s) : e_s;
+
+        bitmap.write(si, bm_s);
+        bitmap.write(so, bm_o);
+        count.write(si, cnt_s);
+        count.write(so, cnt_o);
+        max_exp.write(si, e_s);
+
+        bit<32> base = si * 64;
+        bit<32> old;
+        bit<32> sum;
+        FOR_EACH_VALUE(VALUE_UPDATE)
+
+        bool complete = cnt_s == meta.n;
+        meta.outcome = is_new ? (complete ? OUT_MULTICAST : OUT_AGGREGATED)
+                              : (complete ? OUT_RESENT : OUT_RETRANS_IGNORED);
+        hdr.agg.exp = e_s;
+    }
+
+    /* Turn the DATA packet into a RESULT from the aggregator; egress sets the destination. */
+    action make_result() {
+        meta.is_result = 1;
+        hdr.agg.type = MSG_RESULT;
+        hdr.ethernet.srcAddr = meta.agg_mac;
+        hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
+        hdr.udp.srcPort = UDP_PORT;
+    }
+
+    apply {
+        if (hdr.udp.isValid() && hdr.udp.dstPort == UDP_PORT) {
+            aggregator.apply();
+        }
+        if (meta.to_aggregator == 0) {
+            l2_forward.apply();
+        } else if (!hdr.agg.isValid()) {
+            drop_for(DROP_TRUNCATED);
+        } else if (hdr.agg.version != VERSION) {
+            drop_for(DROP_BAD_VERSION);
+        } else if (hdr.agg.type != MSG_DATA) {
+            drop_for(DROP_BAD_TYPE);
+        } else {
+            job_table.apply();
+            if (meta.job_found == 0) {
+                drop_for(DROP_UNKNOWN_JOB);
+            } else if (hdr.agg.rank >= (bit<16>)meta.n) {
+                drop_for(DROP_BAD_RANK);
+            } else {
+                worker_table.apply();
+                if (meta.worker_found == 0 || standard_metadata.ingress_port != meta.worker_port
+                        || hdr.ipv4.srcAddr != meta.worker_ip) {
+                    drop_for(DROP_SPOOFED);
+                } else if (((hdr.agg.pool & POOL_SLOT_MASK) - meta.slot_base) >= meta.slot_count) {
+                    drop_for(DROP_BAD_POOL);  /* unsigned wrap-around makes this a range check */
+                } else if (!hdr.vals.isValid() || hdr.agg.elems != P4_K
+                        || standard_metadata.parser_error != error.NoError
+                        || hdr.ipv4.totalLen != AGG_IP_LEN) {
+                    drop_for(DROP_TRUNCATED);
+                } else {
+                    aggregate_slot();
+                    if (meta.outcome == OUT_MULTICAST) {
+                        aggregated.count(meta.counter_index);
+                        multicast.count(meta.counter_index);
+                        make_result();
+                        meta.multicast = 1;
+                        standard_metadata.mcast_grp = meta.mgrp;
+                    } else if (meta.outcome == OUT_RESENT) {
+                        resent.count(meta.counter_index);
+                        make_result();
+                        meta.multicast = 0;
+                        standard_metadata.egress_spec = standard_metadata.ingress_port;
+                    } else {
+                        if (meta.outcome == OUT_AGGREGATED) {
+                            aggregated.count(meta.counter_index);
+                        } else {
+                            retrans_ignored.count(meta.counter_index);
+                        }
+                        drop();
+                    }
+                }
+            }
+        }
+    }
+}
+
+control MyEgress(inout headers_t hdr, inout metadata_t meta,
+                 inout standard_metadata_t standard_metadata) {
+
+    action set_result_dst(mac_t mac, ip4_t ip, bit<16> udp_port) {
+        hdr.ethernet.dstAddr = mac;
+        hdr.ipv4.dstAddr = ip;
+        hdr.udp.dstPort = udp_port;
+    }
+
+    action drop() {
+        mark_to_drop(standard_metadata);
+    }
+
+    /* Per copy of a result: the replica id of a multicast copy is the rank it goes to; a
+     * unicast resend goes back to the rank in the header. */
+    table result_dst {
+        key = {
+            hdr.agg.job: exact @name("job");
+            meta.dst_rank: exact @name("rank");
+        }
+        actions = { set_result_dst; drop; }
+        default_action = drop();
+        size = 2048;
+    }
+
+    apply {
+        if (meta.is_result == 1) {
+            meta.dst_rank = meta.multicast == 1 ? (bit<16>)standard_metadata.egress_rid : hdr.agg.rank;
+            hdr.agg.rank = meta.dst_rank;
+            result_dst.apply();
+        } else if (meta.l2_flood == 1 && standard_metadata.egress_port == standard_metadata.ingress_port) {
+            drop();  /* flooding never sends a frame back where it came from */
+        }
+    }
+}
+
+#define VALUE_CSUM(i) , hdr.vals.v##i
+
+control MyComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
+    apply {
+        update_checksum(hdr.ipv4.isValid() && hdr.ipv4.ihl == 5,
+            { hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.totalLen,
+              hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.fragOffset, hdr.ipv4.ttl,
+              hdr.ipv4.protocol, hdr.ipv4.srcAddr, hdr.ipv4.dstAddr },
+            hdr.ipv4.hdrChecksum, HashAlgorithm.csum16);
+        /* Results are fully parsed (UDP length is checked), so the payload is all fields. */
+        update_checksum(meta.is_result == 1,
+            { hdr.ipv4.srcAddr, hdr.ipv4.dstAddr, 8w0, hdr.ipv4.protocol, hdr.udp.length_,
+              hdr.udp.srcPort, hdr.udp.dstPort, hdr.udp.length_,
+              hdr.agg.version, hdr.agg.type, hdr.agg.flags, hdr.agg.exp, hdr.agg.job,
+              hdr.agg.rank, hdr.agg.pool, hdr.agg.elems, hdr.agg.offset
+              FOR_EACH_VALUE(VALUE_CSUM) },
+            hdr.udp.checksum, HashAlgorithm.csum16);
+    }
+}
+
+control MyDeparser(packet_out packet, in headers_t hdr) {
+    apply {
+        packet.emit(hdr.ethernet);
+        packet.emit(hdr.ipv4);
+        packet.emit(hdr.udp);
+        packet.emit(hdr.agg);
+        packet.emit(hdr.vals);
+    }
+}
+
+V1Switch(MyParser(), MyVerifyChecksum(), MyIngress(), MyEgress(), MyComputeChecksum(), MyDeparser()) main;

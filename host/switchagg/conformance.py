@@ -1,0 +1,370 @@
+"""Conformance vectors: packets in, packets expected out, kept as JSON in tests/vectors.
+
+The same vectors run against the software aggregator (tests/test_conformance_software.py) and the
+P4 switch on bmv2 (bmv2_tests/); docs/CONFORMANCE.md defines the format. This module only loads
+and validates them and builds the UDP payloads; how packets are sent and jobs installed is the
+runner's business.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from switchagg.protocol import (
+    DROP_REASONS,
+    EXP_NONE,
+    HEADER_LEN,
+    JOB_COUNTERS,
+    MAX_WORKERS,
+    MSG_DATA,
+    MSG_RESULT,
+    P4_NUM_SLOTS,
+    VERSION,
+    Header,
+)
+
+INT32_MIN = -(2**31)
+_ELEMS_OFFSET = 10  # byte offset of the elems field in the header (docs/PROTOCOL.md)
+INT32_MAX = 2**31 - 1
+
+_VECTOR_KEYS = {"name", "description", "k", "endpoints", "jobs", "steps", "counters"}
+_JOB_KEYS = {"id", "n", "slot_base", "slot_count", "generation", "endpoints"}
+_SEND_KEYS = {"from", "job", "rank", "slot", "set", "offset", "exp", "flags", "values"}
+_OVERRIDE_KEYS = {"version", "type", "elems", "truncate", "extra"}
+_EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values"}
+
+
+class VectorError(ValueError):
+    """A vector file that does not follow docs/CONFORMANCE.md."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job as the control plane installs it; rank r lives on endpoint ``endpoints[r]``."""
+
+    id: int
+    n: int
+    slot_base: int
+    slot_count: int
+    generation: int
+    endpoints: tuple[int, ...]
+
+    def rank_of(self, endpoint: int) -> int | None:
+        return self.endpoints.index(endpoint) if endpoint in self.endpoints else None
+
+
+@dataclass(frozen=True)
+class Install:
+    """Install a job (in addition to the ones installed; its slots must not overlap theirs)."""
+
+    job: JobSpec
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Uninstall a job (its slot registers keep their contents, as on a switch)."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Endpoint ``endpoint`` sends ``payload`` (a UDP payload) to the aggregator; then ``expect``."""
+
+    endpoint: int
+    payload: bytes
+    expect: tuple[tuple[int, bytes], ...]  # (endpoint, UDP payload), in order per endpoint
+    note: str
+
+    def expected_by_endpoint(self) -> dict[int, list[bytes]]:
+        out: dict[int, list[bytes]] = {}
+        for endpoint, payload in self.expect:
+            out.setdefault(endpoint, []).append(payload)
+        return out
+
+
+Step = Install | Remove | Send
+
+
+@dataclass(frozen=True)
+class Vector:
+    name: str
+    description: str
+    path: Path
+    k: int
+    endpoints: int  # endpoints are numbered 0..endpoints-1
+    jobs: tuple[JobSpec, ...]  # installed before the first step
+    steps: tuple[Step, ...]
+    drops: dict[str, int]  # every drop reason, at the end of the vector
+    job_counters: dict[int, dict[str, int]] = field(default_factory=dict)  # per listed job, every counter
+
+    @property
+    def sends(self) -> list[Send]:
+        return [s for s in self.steps if isinstance(s, Send)]
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str, lo: int, hi: int, default: int | None = None) -> int:
+    if key not in obj:
+        if default is None:
+            raise VectorError(f"{where}: missing {key!r}")
+        return default
+    value = obj[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise VectorError(f"{where}: {key!r} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _check_keys(obj: Any, allowed: set[str], where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, dict):
+        raise VectorError(f"{where}: expected an object, got {type(obj).__name__}")
+    unknown = set(obj) - allowed
+    if unknown:
+        raise VectorError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
+    return obj
+
+
+def expand_values(spec: Any, k: int, where: str) -> list[int]:
+    """``{"fill": v}``, ``{"ramp": [start, step]}`` or an explicit list of k int32 values."""
+    if isinstance(spec, list):
+        values = spec
+        if len(values) != k:
+            raise VectorError(f"{where}: an explicit value list needs k={k} entries, got {len(values)}")
+    elif isinstance(spec, dict) and set(spec) == {"fill"}:
+        values = [spec["fill"]] * k
+    elif isinstance(spec, dict) and set(spec) == {"ramp"}:
+        ramp = spec["ramp"]
+        if not (isinstance(ramp, list) and len(ramp) == 2 and all(isinstance(x, int) for x in ramp)):
+            raise VectorError(f"{where}: ramp must be [start, step], got {ramp!r}")
+        values = [ramp[0] + i * ramp[1] for i in range(k)]
+    else:
+        raise VectorError(
+            f"{where}: values must be {{'fill': v}}, {{'ramp': [start, step]}} or a list, got {spec!r}"
+        )
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool) or not INT32_MIN <= v <= INT32_MAX:
+            raise VectorError(f"{where}: value {i} = {v!r} is not an int32")
+    return list(values)
+
+
+def _parse_job(obj: Any, where: str) -> JobSpec:
+    o = _check_keys(obj, _JOB_KEYS, where)
+    n = _int(o, "n", where, 1, MAX_WORKERS)
+    base = _int(o, "slot_base", where, 0, P4_NUM_SLOTS - 1)
+    count = _int(o, "slot_count", where, 1, P4_NUM_SLOTS - base)
+    endpoints = o.get("endpoints", list(range(n)))
+    if (
+        not isinstance(endpoints, list)
+        or len(endpoints) != n
+        or len(set(endpoints)) != n
+        or not all(isinstance(e, int) and e >= 0 for e in endpoints)
+    ):
+        raise VectorError(f"{where}: endpoints must list {n} distinct endpoint numbers, got {endpoints!r}")
+    return JobSpec(
+        id=_int(o, "id", where, 0, 0xFFFF),
+        n=n,
+        slot_base=base,
+        slot_count=count,
+        generation=_int(o, "generation", where, 1, 0xFFFF),
+        endpoints=tuple(endpoints),
+    )
+
+
+def _build_send(o: Mapping[str, Any], k: int, jobs: Mapping[int, JobSpec], where: str) -> tuple[int, bytes]:
+    endpoint = _int(o, "from", where, 0, 1023)
+    job_id = _int(o, "job", where, 0, 0xFFFF)
+    job = jobs.get(job_id)
+    own_rank = job.rank_of(endpoint) if job else None
+    header = Header(
+        job=job_id,
+        rank=_int(o, "rank", where, 0, 0xFFFF, endpoint if own_rank is None else own_rank),
+        slot=_int(o, "slot", where, 0, 0x7FFF),
+        shadow=_int(o, "set", where, 0, 1, 0),
+        offset=_int(o, "offset", where, 0, 2**32 - 1, 0),
+        exp=_int(o, "exp", where, -128, 127, EXP_NONE),
+        flags=_int(o, "flags", where, 0, 255, 0),
+        type=_int(o, "type", where, 0, 255, MSG_DATA),
+        version=_int(o, "version", where, 0, 255, VERSION),
+        values=expand_values(o.get("values", {"fill": 0}), k, where),
+    )
+    packed = bytearray(header.pack())
+    # Patched after packing: Header.pack() reads elems=0 as "use len(values)".
+    struct.pack_into("!H", packed, _ELEMS_OFFSET, _int(o, "elems", where, 0, 0xFFFF, k))
+    payload = bytes(packed) + bytes(_int(o, "extra", where, 0, 4096, 0))
+    if "truncate" in o:
+        payload = payload[: _int(o, "truncate", where, 0, len(payload))]
+    return endpoint, payload
+
+
+def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> list[tuple[int, bytes]]:
+    o = _check_keys(obj, _EXPECT_KEYS, where)
+    job_id = _int(o, "job", where, 0, 0xFFFF)
+    job = jobs.get(job_id)
+    if job is None:
+        raise VectorError(f"{where}: a result of job {job_id}, which is not installed")
+    to = o.get("to")
+    if not isinstance(to, list) or not to:
+        raise VectorError(f"{where}: 'to' must be a non-empty list of endpoints, got {to!r}")
+    values = expand_values(o.get("values"), k, where)
+    out = []
+    for endpoint in to:
+        rank = job.rank_of(endpoint) if isinstance(endpoint, int) else None
+        if rank is None:
+            raise VectorError(f"{where}: endpoint {endpoint!r} holds no rank of job {job_id}")
+        header = Header(
+            job=job_id,
+            rank=rank,
+            slot=_int(o, "slot", where, 0, 0x7FFF),
+            shadow=_int(o, "set", where, 0, 1, 0),
+            offset=_int(o, "offset", where, 0, 2**32 - 1, 0),
+            exp=_int(o, "exp", where, -128, 127, EXP_NONE),
+            flags=_int(o, "flags", where, 0, 255, 0),
+            type=MSG_RESULT,
+            elems=k,
+            values=values,
+        )
+        out.append((endpoint, header.pack()))
+    return out
+
+
+def _check_no_overlap(jobs: Mapping[int, JobSpec], new: JobSpec, where: str) -> None:
+    if new.id in jobs:
+        raise VectorError(f"{where}: job {new.id} is already installed")
+    for j in jobs.values():
+        if new.slot_base < j.slot_base + j.slot_count and j.slot_base < new.slot_base + new.slot_count:
+            raise VectorError(f"{where}: slots of job {new.id} overlap those of job {j.id}")
+
+
+def parse_vector(data: Any, path: Path) -> Vector:
+    """Validate one decoded vector file and build its packets."""
+    where = path.name
+    top = _check_keys(data, _VECTOR_KEYS, where)
+    name = top.get("name")
+    if not isinstance(name, str) or not name:
+        raise VectorError(f"{where}: 'name' must be a non-empty string")
+    k = _int(top, "k", where, 1, 16372)
+    installed: dict[int, JobSpec] = {}
+    initial = []
+    for i, obj in enumerate(top.get("jobs", [])):
+        job = _parse_job(obj, f"{where} jobs[{i}]")
+        _check_no_overlap(installed, job, f"{where} jobs[{i}]")
+        installed[job.id] = job
+        initial.append(job)
+    steps: list[Step] = []
+    max_endpoint = max((e for j in initial for e in j.endpoints), default=0)
+    for i, obj in enumerate(top.get("steps", [])):
+        w = f"{where} steps[{i}]"
+        if not isinstance(obj, dict) or len(set(obj) & {"send", "install", "remove"}) != 1:
+            raise VectorError(f"{w}: a step is exactly one of send (with expect), install or remove")
+        if "install" in obj:
+            _check_keys(obj, {"install"}, w)
+            job = _parse_job(obj["install"], w)
+            _check_no_overlap(installed, job, w)
+            installed[job.id] = job
+            max_endpoint = max(max_endpoint, *job.endpoints)
+            steps.append(Install(job))
+        elif "remove" in obj:
+            _check_keys(obj, {"remove"}, w)
+            job_id = _int(obj, "remove", w, 0, 0xFFFF)
+            if installed.pop(job_id, None) is None:
+                raise VectorError(f"{w}: remove of job {job_id}, which is not installed")
+            steps.append(Remove(job_id))
+        else:
+            o = _check_keys(obj, {"send", "expect", "note"}, w)
+            send = _check_keys(o["send"], _SEND_KEYS | _OVERRIDE_KEYS, w + " send")
+            endpoint, payload = _build_send(send, k, installed, w + " send")
+            expect_list = o.get("expect")
+            if not isinstance(expect_list, list):
+                raise VectorError(f"{w}: 'expect' must be a list (empty: nothing is sent back)")
+            expect: list[tuple[int, bytes]] = []
+            for e_i, e in enumerate(expect_list):
+                expect.extend(_build_expect(e, k, installed, f"{w} expect[{e_i}]"))
+            max_endpoint = max(max_endpoint, endpoint, *(ep for ep, _ in expect))
+            steps.append(Send(endpoint, payload, tuple(expect), str(o.get("note", ""))))
+    endpoints = _int(top, "endpoints", where, max_endpoint + 1, 1024, max_endpoint + 1)
+    counters = _check_keys(top.get("counters", {}), {"drops", "jobs"}, where + " counters")
+    drops_in = _check_keys(counters.get("drops", {}), set(DROP_REASONS), where + " counters.drops")
+    drops = {r: _int(drops_in, r, where + " counters.drops", 0, 2**63, 0) for r in DROP_REASONS}
+    job_counters: dict[int, dict[str, int]] = {}
+    for key, value in _check_keys(
+        counters.get("jobs", {}), set(map(str, installed)), where + " counters.jobs"
+    ).items():
+        c = _check_keys(value, set(JOB_COUNTERS), f"{where} counters.jobs.{key}")
+        job_counters[int(key)] = {
+            n: _int(c, n, f"{where} counters.jobs.{key}", 0, 2**63, 0) for n in JOB_COUNTERS
+        }
+    return Vector(
+        name=name,
+        description=str(top.get("description", "")),
+        path=path,
+        k=k,
+        endpoints=endpoints,
+        jobs=tuple(initial),
+        steps=tuple(steps),
+        drops=drops,
+        job_counters=job_counters,
+    )
+
+
+def load_vector(path: str | Path) -> Vector:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise VectorError(f"{p.name}: not valid JSON: {exc}") from exc
+    return parse_vector(data, p)
+
+
+def load_vectors(directory: str | Path) -> list[Vector]:
+    """Every ``*.json`` vector in ``directory``, sorted by file name."""
+    d = Path(directory)
+    files = sorted(d.glob("*.json"))
+    if not files:
+        raise VectorError(f"no *.json conformance vectors in {d}")
+    vectors = [load_vector(f) for f in files]
+    names = [v.name for v in vectors]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise VectorError(f"duplicate vector names in {d}: {dupes}")
+    return vectors
+
+
+def default_vector_dir() -> Path:
+    """tests/vectors of the source tree this package is installed from (editable install)."""
+    return Path(__file__).resolve().parents[2] / "tests" / "vectors"
+
+
+def describe(payload: bytes) -> str:
+    """A one-line readable form of a UDP payload, for assertion messages."""
+    if len(payload) < HEADER_LEN:
+        return f"<{len(payload)} bytes: {payload.hex()}>"
+    h = Header.unpack(payload)
+    vals = h.values
+    shown = vals if len(vals) <= 4 else [*vals[:3], "...", vals[-1]]
+    return (
+        f"v{h.version} type={h.type} flags={h.flags} exp={h.exp} job={h.job} rank={h.rank} slot={h.slot} "
+        f"set={h.shadow} elems={h.elems} offset={h.offset} len={len(payload)} values={shown}"
+    )
+
+
+def check_counters(
+    vector: Vector, drops: Mapping[str, int], jobs: Mapping[int, Mapping[str, int]]
+) -> list[str]:
+    """Differences between a runner's counters and the vector's expectation (empty: they agree)."""
+    problems = [
+        f"drop {r}: expected {want}, got {drops.get(r)}"
+        for r, want in vector.drops.items()
+        if drops.get(r) != want
+    ]
+    for job_id, want_c in vector.job_counters.items():
+        got_c = jobs.get(job_id, {})
+        problems += [
+            f"job {job_id} {n}: expected {want}, got {got_c.get(n)}"
+            for n, want in want_c.items()
+            if got_c.get(n) != want
+        ]
+    return problems

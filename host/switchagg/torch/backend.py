@@ -70,9 +70,7 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
         if plane is not None:
             plane.close()
 
-    def allreduce(
-        self, tensors: Any, opts: Any = None, timeout: timedelta | None = None
-    ) -> dist.Work:
+    def allreduce(self, tensors: Any, opts: Any = None, timeout: timedelta | None = None) -> dist.Work:
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         if opts is None:

@@ -1,8 +1,7 @@
 """A DDP comm hook that sums gradient buckets through switchagg, for code that keeps gloo as its
 process group: ``ddp.register_comm_hook(SwitchaggHookState(), allreduce_hook)``."""
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": DDP checks the hook's annotations as real objects.
 import atexit
 
 import torch

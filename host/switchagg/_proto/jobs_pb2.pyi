@@ -141,3 +141,31 @@ class TeardownReply(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class CountersRequest(_message.Message):
+    __slots__ = ("secret",)
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+
+class Counter(_message.Message):
+    __slots__ = ("data_plane", "scope", "name", "index", "packets", "bytes")
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    data_plane: str
+    scope: str
+    name: str
+    index: int
+    packets: int
+    bytes: int
+    def __init__(self, data_plane: _Optional[str] = ..., scope: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[int] = ..., packets: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class CountersReply(_message.Message):
+    __slots__ = ("counters",)
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.RepeatedCompositeFieldContainer[Counter]
+    def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...

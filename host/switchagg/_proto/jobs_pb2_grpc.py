@@ -59,6 +59,11 @@ class JobServiceStub:
                 request_serializer=switchagg_dot_jobs__pb2.TeardownRequest.SerializeToString,
                 response_deserializer=switchagg_dot_jobs__pb2.TeardownReply.FromString,
                 _registered_method=True)
+        self.Counters = channel.unary_unary(
+                '/switchagg.v1.JobService/Counters',
+                request_serializer=switchagg_dot_jobs__pb2.CountersRequest.SerializeToString,
+                response_deserializer=switchagg_dot_jobs__pb2.CountersReply.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -95,6 +100,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Counters(self, request, context):
+        """The data planes' counters (drops by reason, per-job aggregation counters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +134,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.Teardown,
                     request_deserializer=switchagg_dot_jobs__pb2.TeardownRequest.FromString,
                     response_serializer=switchagg_dot_jobs__pb2.TeardownReply.SerializeToString,
+            ),
+            'Counters': grpc.unary_unary_rpc_method_handler(
+                    servicer.Counters,
+                    request_deserializer=switchagg_dot_jobs__pb2.CountersRequest.FromString,
+                    response_serializer=switchagg_dot_jobs__pb2.CountersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +276,33 @@ class JobService:
             '/switchagg.v1.JobService/Teardown',
             switchagg_dot_jobs__pb2.TeardownRequest.SerializeToString,
             switchagg_dot_jobs__pb2.TeardownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Counters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchagg.v1.JobService/Counters',
+            switchagg_dot_jobs__pb2.CountersRequest.SerializeToString,
+            switchagg_dot_jobs__pb2.CountersReply.FromString,
             options,
             channel_credentials,
             insecure,

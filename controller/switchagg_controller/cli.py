@@ -1,0 +1,382 @@
+"""switchagg-ctl: run the controller (job service + data plane) and inspect or steer it.
+
+switchagg-ctl serve --software --secret-file s.txt --state ctl.db --listen 127.0.0.1:50051
+switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--fallback]
+switchagg-ctl push --topology topo.yaml
+switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
+switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--watch 2]
+switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import grpc
+
+from switchagg import protocol
+from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+
+class CliError(Exception):
+    pass
+
+
+def _secret(args: argparse.Namespace) -> str:
+    if args.secret_file:
+        try:
+            secret = Path(args.secret_file).read_text().strip()
+        except OSError as e:
+            raise CliError(f"cannot read the secret file {args.secret_file}: {e.strerror}") from None
+    else:
+        secret = args.secret or ""
+    if not secret:
+        raise CliError("a secret is needed: --secret or --secret-file (the file must not be empty)")
+    return secret
+
+
+def _add_secret(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--secret", help="the deployment's shared secret (visible in ps; prefer --secret-file)")
+    g.add_argument("--secret-file", help="file holding the shared secret")
+
+
+def _add_client(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--service", default="127.0.0.1:50051", help="job service address (default %(default)s)")
+    _add_secret(p)
+
+
+def _add_p4(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--p4-json", type=Path, help="bmv2 JSON (default: p4/build/switchagg.json)")
+    p.add_argument(
+        "--p4info", type=Path, help="P4Info text or binary (default: p4/build/switchagg.p4info.txtpb)"
+    )
+
+
+def _p4_artifacts(args: argparse.Namespace) -> tuple[Path, Path]:
+    from switchagg_controller import p4_program
+
+    json_path = args.p4_json or p4_program.BMV2_JSON
+    p4info = args.p4info or p4_program.P4INFO
+    for path in (json_path, p4info):
+        if not Path(path).is_file():
+            raise CliError(f"{path} does not exist (build the P4 program first, or pass --p4-json/--p4info)")
+    return Path(json_path), Path(p4info)
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from switchagg_controller import allocation
+    from switchagg_controller.dataplane import DataPlane, P4DataPlane, SoftwareDataPlane
+    from switchagg_controller.jobs import JobManager
+    from switchagg_controller.service import Reaper, make_server
+    from switchagg_controller.store import Store
+
+    secret = _secret(args)
+    if not args.software and not args.topology:
+        raise CliError(
+            "serve needs --topology (the P4 switch) or --software (an embedded software aggregator)"
+        )
+    planes: list[DataPlane] = []
+    supervisor = None
+    aggregator = None
+    store = Store(args.state)
+    manager: JobManager | None = None
+    if args.topology:
+        from switchagg_controller import p4_program
+        from switchagg_controller.supervisor import SwitchSupervisor
+        from switchagg_controller.topology import load_topology
+
+        topology = load_topology(args.topology)
+        json_path, p4info = _p4_artifacts(args)
+        holder: list[P4DataPlane] = []
+
+        def on_restart() -> None:  # the switch lost its state: new generations for all its jobs
+            if manager is not None:
+                holder[0].set_jobs(manager.bump_generations(allocation.P4))
+
+        supervisor = SwitchSupervisor(
+            topology.switch_address,
+            topology.device_id,
+            json_path,
+            p4info,
+            desired=lambda: holder[0].desired(),
+            on_restart=on_restart,
+            election_id=topology.election_id,
+        )
+        holder.append(P4DataPlane(topology, supervisor, default_slots=args.p4_slots))
+        planes.append(holder[0])
+        max_counter_index = p4_program.MAX_JOBS
+    else:
+        max_counter_index = 0xFFFF
+    if args.software or args.fallback:
+        from switchagg.aggregator import SoftwareAggregator
+
+        host, _, port = args.software_listen.rpartition(":")
+        aggregator = SoftwareAggregator(host, int(port)).start()
+        planes.append(
+            SoftwareDataPlane(
+                aggregator, k=args.sw_k, default_slots=args.sw_slots, advertised_ip=args.software_advertise
+            )
+        )
+    manager = JobManager(
+        store,
+        planes,
+        join_timeout=args.join_timeout,
+        reap_timeout=args.reap_timeout,
+        max_counter_index=max_counter_index,
+    )
+    reloaded = manager.reload()
+    if supervisor is not None:
+        supervisor.start()
+    server, port = make_server(manager, secret, args.listen)
+    server.start()
+    reaper = Reaper(manager).start()
+    host = args.listen.rpartition(":")[0]
+    agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
+    print(f"switchagg-ctl: job service on {host}:{port};{agg} {len(reloaded)} job(s) reloaded", flush=True)
+
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    server.stop(grace=1.0).wait(5.0)
+    reaper.stop()
+    if supervisor is not None:
+        supervisor.stop()
+    if aggregator is not None:
+        aggregator.stop()
+    store.close()
+    return 0
+
+
+# -- client commands --------------------------------------------------------------------------
+
+
+def _stub(args: argparse.Namespace) -> tuple[jobs_pb2_grpc.JobServiceStub, grpc.Channel]:
+    channel = grpc.insecure_channel(args.service)
+    return jobs_pb2_grpc.JobServiceStub(channel), channel
+
+
+def _rpc(args: argparse.Namespace, method: str, request: object) -> object:
+    stub, channel = _stub(args)
+    try:
+        return getattr(stub, method)(request, timeout=args.timeout)
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        raise CliError(f"{method} on {args.service}: {details} ({code.name if code else 'error'})") from None
+    finally:
+        channel.close()
+
+
+def format_jobs(reply: jobs_pb2.ListJobsReply) -> str:
+    if not reply.jobs:
+        return "no jobs"
+    head = f"{'id':>5} {'name':<18} {'state':<8} {'plane':<9} {'n':>3} {'slots':>13} {'K':>5} {'gen':>5}"
+    lines = [head + "  workers"]
+    for j in reply.jobs:
+        slots = f"{j.slot_base}..{j.slot_base + j.slot_count - 1}" if j.state == "active" else "-"
+        workers = " ".join(
+            f"{w.rank}={w.ip}:{w.udp_port}{'(left)' if w.left else ''}"
+            if j.state == "active"
+            else f"{w.ip}:{w.udp_port}"
+            for w in j.workers
+        )
+        lines.append(
+            f"{j.job_id or '-':>5} {j.name:<18} {j.state:<8} {j.data_plane or '-':<9} {j.world_size:>3} "
+            f"{slots:>13} {j.k or '-':>5} {j.generation or '-':>5}  {workers}"
+        )
+    return "\n".join(lines)
+
+
+def format_counters(reply: jobs_pb2.CountersReply) -> str:
+    lines = []
+    by_plane: dict[str, list[jobs_pb2.Counter]] = {}
+    for c in reply.counters:
+        by_plane.setdefault(c.data_plane, []).append(c)
+    for plane, counters in by_plane.items():
+        lines.append(f"[{plane}]")
+        for scope in ("total", "drops", "faults"):
+            row = [f"{c.name} {c.packets}" for c in counters if c.scope == scope]
+            if row:
+                lines.append(f"  {scope}: " + "  ".join(row))
+        jobs = sorted({c.index for c in counters if c.scope == "job"})
+        if jobs:
+            lines.append(f"  {'job':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
+            for job_id in jobs:
+                values = {c.name: c.packets for c in counters if c.scope == "job" and c.index == job_id}
+                lines.append(
+                    f"  {job_id:>6} " + " ".join(f"{values.get(n, 0):>16}" for n in protocol.JOB_COUNTERS)
+                )
+    return "\n".join(lines) if lines else "no counters"
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    reply = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=_secret(args)))
+    assert isinstance(reply, jobs_pb2.ListJobsReply)
+    print(format_jobs(reply))
+    return 0
+
+
+def _teardown(args: argparse.Namespace) -> int:
+    reply = _rpc(args, "Teardown", jobs_pb2.TeardownRequest(secret=_secret(args), job=args.job))
+    assert isinstance(reply, jobs_pb2.TeardownReply)
+    print(f"job {args.job} torn down" + (f" (id {reply.job_id})" if reply.job_id else " while joining"))
+    return 0
+
+
+def _counters(args: argparse.Namespace) -> int:
+    if args.watch is not None and args.watch <= 0:
+        raise CliError("--watch needs a positive number of seconds")
+    rounds = 0
+    while True:
+        if args.topology:
+            text = _switch_counters(args)
+        else:
+            reply = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=_secret(args)))
+            assert isinstance(reply, jobs_pb2.CountersReply)
+            text = format_counters(reply)
+        print(text, flush=True)
+        rounds += 1
+        if args.watch is None or (args.count and rounds >= args.count):
+            return 0
+        time.sleep(args.watch)
+        print(flush=True)
+
+
+def _switch_counters(args: argparse.Namespace) -> str:
+    """Counters read straight from the switch (no job service needed); indices, not job ids."""
+    from switchagg_controller import p4_program
+    from switchagg_controller.p4runtime_client import SwitchConnection
+    from switchagg_controller.topology import load_topology
+
+    topology = load_topology(args.topology)
+    _, p4info = _p4_artifacts(args)
+    with SwitchConnection(topology.switch_address, topology.device_id, topology.election_id) as conn:
+        conn.load_p4info(p4info)
+        drops = conn.read_counter(p4_program.DROP_COUNTER)
+        lines = [
+            "drops: "
+            + "  ".join(f"{n} {drops.get(i, (0, 0))[1]}" for i, n in enumerate(protocol.DROP_REASONS))
+        ]
+        per_job = {name: conn.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
+    indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
+    lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
+    for i in indices:
+        lines.append(
+            f"{i:>6} " + " ".join(f"{per_job[n].get(i, (0, 0))[1]:>16}" for n in protocol.JOB_COUNTERS)
+        )
+    return "\n".join(lines)
+
+
+def _push(args: argparse.Namespace) -> int:
+    """Pipeline and L2 state only; jobs are the running controller's business."""
+    from switchagg_controller import p4_program
+    from switchagg_controller.p4runtime_client import SwitchConnection
+    from switchagg_controller.topology import load_topology
+
+    topology = load_topology(args.topology)
+    json_path, p4info = _p4_artifacts(args)
+    state = p4_program.desired_state(topology, [])
+    with SwitchConnection(topology.switch_address, topology.device_id, topology.election_id) as conn:
+        conn.set_pipeline(json_path, p4info)
+        changes = conn.apply(state, delete_others=not args.keep_jobs)
+    print(f"pushed {json_path.name} to {topology.switch_address}: {changes} change(s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchagg-ctl", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the job service and program the data plane")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="job service address (default %(default)s)")
+    _add_secret(p)
+    p.add_argument("--state", default="switchagg-ctl.db", help="SQLite state file (default %(default)s)")
+    p.add_argument("--topology", help="topology YAML of the P4 switch")
+    _add_p4(p)
+    p.add_argument("--software", action="store_true", help="serve jobs on an embedded software aggregator")
+    p.add_argument(
+        "--fallback", action="store_true", help="with --topology: jobs that do not fit go to software"
+    )
+    p.add_argument("--software-listen", default="127.0.0.1:48879", help="software aggregator UDP address")
+    p.add_argument("--software-advertise", help="aggregator IP told to workers (default: the listen IP)")
+    p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K on the software aggregator")
+    p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")
+    p.add_argument("--p4-slots", type=int, default=64, help="slots per P4 job")
+    p.add_argument("--join-timeout", type=float, default=60.0, help="longest wait for a job's workers")
+    p.add_argument("--reap-timeout", type=float, default=30.0, help="silence after which a job is reaped")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("push", help="push the P4 pipeline and the topology's L2 entries to the switch")
+    p.add_argument("--topology", required=True)
+    _add_p4(p)
+    p.add_argument("--keep-jobs", action="store_true", help="leave entries not in the L2 state alone")
+    p.set_defaults(func=_push)
+
+    p = sub.add_parser("jobs", help="list jobs and their slots")
+    _add_client(p)
+    p.set_defaults(func=_jobs)
+
+    p = sub.add_parser("counters", help="show the data planes' counters")
+    _add_client(p)
+    p.add_argument("--topology", help="read the P4 switch directly instead of asking the job service")
+    _add_p4(p)
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
+    p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
+    p.set_defaults(func=_counters)
+
+    p = sub.add_parser("teardown", help="remove a job (by name or id) and free its slots")
+    p.add_argument("job")
+    _add_client(p)
+    p.set_defaults(func=_teardown)
+
+    for p in sub.choices.values():
+        p.add_argument("--timeout", type=float, default=10.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from switchagg_controller.jobs import JobError
+        from switchagg_controller.topology import TopologyError
+
+        known: tuple[type[Exception], ...] = (CliError, TopologyError, JobError, OSError, ValueError)
+        try:
+            from switchagg_controller.p4runtime_client import P4RuntimeError
+
+            known += (P4RuntimeError,)
+        except ImportError:
+            pass
+        if isinstance(e, known):
+            print(f"switchagg-ctl: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

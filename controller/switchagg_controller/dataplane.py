@@ -1,0 +1,201 @@
+"""The two places a job can run: the P4 switch and the software aggregator.
+
+The job manager only calls install/remove; how a job reaches the data plane (P4Runtime writes
+of the whole desired state, or add_job on the C aggregator) is hidden here.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from switchagg import protocol
+from switchagg_controller import allocation
+from switchagg_controller.model import Job, SwitchState, Topology, WorkerAddr
+
+if TYPE_CHECKING:
+    from switchagg.aggregator import SoftwareAggregator
+    from switchagg_controller.supervisor import SwitchSupervisor
+
+
+@dataclass(frozen=True)
+class CounterValue:
+    data_plane: str
+    scope: str  # "drops", "job" or "total"
+    name: str
+    index: int  # job id for scope "job"
+    packets: int
+    bytes: int = 0
+
+
+class DataPlaneError(Exception):
+    """A job cannot be placed on or installed on this data plane; the message says why."""
+
+
+class DataPlane(Protocol):
+    name: str  # allocation.P4 or allocation.SOFTWARE
+    k: int
+    default_slots: int
+
+    @property
+    def aggregator(self) -> tuple[str, int]: ...
+
+    def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr: ...
+
+    def install(self, job: Job) -> None: ...
+
+    def remove(self, job: Job) -> None: ...
+
+    def restore(self, jobs: list[Job]) -> None:
+        """Installs reloaded jobs; where the data plane is not reachable yet it applies them later."""
+        ...
+
+    def counters(self) -> list[CounterValue]: ...
+
+
+class SoftwareDataPlane:
+    """Jobs on a SoftwareAggregator; each job names its workers' addresses (anti-spoofing)."""
+
+    name = allocation.SOFTWARE
+
+    def __init__(
+        self,
+        aggregator: SoftwareAggregator,
+        k: int = protocol.DEFAULT_SW_K,
+        default_slots: int = protocol.DEFAULT_SW_SLOTS,
+        advertised_ip: str | None = None,
+    ) -> None:
+        self.agg = aggregator
+        self.k, self.default_slots = k, default_slots
+        self._ip = advertised_ip or aggregator.address[0]
+        self._installed: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def aggregator(self) -> tuple[str, int]:
+        return (self._ip, self.agg.address[1])
+
+    def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
+        return WorkerAddr(rank, ip, udp_port)
+
+    def install(self, job: Job) -> None:
+        addrs = [(w.ip, w.udp_port) for w in sorted(job.workers, key=lambda w: w.rank)]
+        with self._lock:
+            if job.job_id in self._installed:  # a reinstall with a new generation
+                self.agg.remove_job(job.job_id)
+                self._installed.discard(job.job_id)
+            try:
+                self.agg.add_job(
+                    job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs
+                )
+            except Exception as e:
+                raise DataPlaneError(f"the software aggregator refused job {job.job_id}: {e}") from e
+            self._installed.add(job.job_id)
+
+    def restore(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.install(job)
+
+    def remove(self, job: Job) -> None:
+        with self._lock:
+            if job.job_id in self._installed:
+                self._installed.discard(job.job_id)
+                self.agg.remove_job(job.job_id)
+
+    def counters(self) -> list[CounterValue]:
+        c = self.agg.counters()
+        out = [CounterValue(self.name, "total", name, 0, int(c[name])) for name in ("rx", "tx")]
+        out += [
+            CounterValue(self.name, "drops", name, 0, int(c["drops"][name])) for name in protocol.DROP_REASONS
+        ]
+        out += [CounterValue(self.name, "faults", name, 0, int(v)) for name, v in c["faults"].items()]
+        for job_id in sorted(c["jobs"]):
+            out += [
+                CounterValue(self.name, "job", name, int(job_id), int(c["jobs"][job_id][name]))
+                for name in protocol.JOB_COUNTERS
+            ]
+        return out
+
+
+class P4DataPlane:
+    """Jobs on the P4 switch: every change pushes the whole desired state through the supervisor."""
+
+    name = allocation.P4
+
+    def __init__(self, topology: Topology, supervisor: SwitchSupervisor, default_slots: int = 64) -> None:
+        self.topology = topology
+        self.supervisor = supervisor
+        self.k = protocol.P4_K
+        self.default_slots = default_slots
+        self._jobs: dict[int, Job] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def aggregator(self) -> tuple[str, int]:
+        return (self.topology.aggregator_ip, self.topology.udp_port)
+
+    def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
+        host = self.topology.host_by_ip(ip)
+        if host is None:
+            raise DataPlaneError(f"{ip} is not a host of the switch's topology")
+        return WorkerAddr(rank, ip, udp_port, host.mac, host.port)
+
+    def desired(self) -> SwitchState:
+        from switchagg_controller import p4_program
+
+        with self._lock:
+            jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
+        return p4_program.desired_state(self.topology, jobs)
+
+    def set_jobs(self, jobs: list[Job]) -> None:
+        """Replaces the known jobs without pushing (reload, or new generations after a restart)."""
+        with self._lock:
+            self._jobs = {j.job_id: j for j in jobs}
+
+    def restore(self, jobs: list[Job]) -> None:
+        self.set_jobs(jobs)  # the supervisor pushes the whole state once the switch is connected
+        try:
+            self.supervisor.push(self.desired())
+        except Exception:  # noqa: S110 - not connected yet; the supervisor applies it on connect
+            pass
+
+    def install(self, job: Job) -> None:
+        with self._lock:
+            previous = self._jobs.get(job.job_id)
+            self._jobs[job.job_id] = job
+        try:
+            self.supervisor.push(self.desired())
+        except Exception as e:
+            with self._lock:  # not on the switch: forget it, so a later push does not install it
+                if previous is None:
+                    self._jobs.pop(job.job_id, None)
+                else:
+                    self._jobs[job.job_id] = previous
+            raise DataPlaneError(f"installing job {job.job_id} on the P4 switch failed: {e}") from e
+
+    def remove(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.job_id, None)
+        try:
+            self.supervisor.push(self.desired())
+        except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
+            pass
+
+    def counters(self) -> list[CounterValue]:
+        from switchagg_controller import p4_program
+
+        conn = self.supervisor.connection()
+        drops = conn.read_counter(p4_program.DROP_COUNTER)
+        out = [
+            CounterValue(self.name, "drops", name, 0, drops.get(i, (0, 0))[1], drops.get(i, (0, 0))[0])
+            for i, name in enumerate(protocol.DROP_REASONS)
+        ]
+        with self._lock:
+            jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
+        for name, counter in p4_program.JOB_COUNTER_NAMES.items():
+            values = conn.read_counter(counter)
+            for job in jobs:
+                nbytes, packets = values.get(job.counter_index, (0, 0))
+                out.append(CounterValue(self.name, "job", name, job.job_id, packets, nbytes))
+        return out

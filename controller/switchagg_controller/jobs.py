@@ -1,0 +1,419 @@
+"""The job manager: joins, rank and slot assignment, installation, leave, teardown and reaping.
+
+A job exists in two phases. *Pending*: workers are arriving; each Join blocks. When the last of
+the world_size workers arrives, the job gets an id, ranks, a slot range (P4 switch first, the
+software aggregator as fallback), a fresh generation, is installed on its data plane, saved in
+the store, and every waiting Join returns. *Active*: workers heartbeat; the job is removed when
+all its workers left, on teardown, or when a worker has been silent for the reap timeout.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from switchagg import protocol
+from switchagg_controller import allocation
+from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
+from switchagg_controller.dataplane import DataPlane, DataPlaneError
+from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.store import JobRecord, Store
+
+MAX_JOB_ID = 0xFFFF
+
+
+class JobError(Exception):
+    """A request the manager refuses; ``code`` is the gRPC status the service answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Assignment:
+    data_plane: str
+    aggregator_ip: str
+    aggregator_port: int
+    job_id: int
+    rank: int
+    world_size: int
+    slot_base: int
+    slot_count: int
+    k: int
+    generation: int
+
+
+@dataclass
+class _Member:
+    ip: str
+    udp_port: int
+    requested_rank: int | None
+
+
+@dataclass
+class _Pending:
+    name: str
+    world_size: int
+    members: list[_Member] = field(default_factory=list)
+    job: Job | None = None  # set when complete and installed
+    data_plane: str = ""
+    error: JobError | None = None
+
+
+@dataclass
+class _Active:
+    record: JobRecord
+    last_seen: dict[int, float]  # rank -> clock() of its last sign of life
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as ListJobs shows it."""
+
+    name: str
+    state: str  # "pending" or "active"
+    data_plane: str
+    world_size: int
+    job: Job | None  # None while pending
+    joined: tuple[tuple[str, int], ...]
+    left: frozenset[int]
+
+
+class JobManager:
+    def __init__(
+        self,
+        store: Store,
+        data_planes: list[DataPlane],
+        join_timeout: float = 60.0,
+        reap_timeout: float = 30.0,
+        max_counter_index: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``data_planes`` in order of preference; a job that does not fit on one goes to the next."""
+        if not data_planes:
+            raise ValueError("the job manager needs at least one data plane")
+        self.store = store
+        self.planes = {p.name: p for p in data_planes}
+        self.order = [p.name for p in data_planes]
+        self.allocator = SlotAllocator(
+            p4_slots=protocol.P4_NUM_SLOTS if allocation.P4 in self.planes else None,
+            sw_slots=allocation.SW_POOL_SLOTS if allocation.SOFTWARE in self.planes else None,
+        )
+        self.join_timeout, self.reap_timeout = join_timeout, reap_timeout
+        self.max_counter_index = max_counter_index
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._pending: dict[str, _Pending] = {}
+        self._active: dict[int, _Active] = {}
+
+    # -- startup -----------------------------------------------------------------------------
+
+    def reload(self) -> list[Job]:
+        """Loads the stored jobs and reinstalls each with a new generation (its data plane may be new)."""
+        loaded: dict[str, list[Job]] = {name: [] for name in self.planes}
+        for record in self.store.load():
+            job = record.job
+            if record.data_plane not in self.planes:
+                raise JobError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stored job {job.name!r} runs on the {record.data_plane} data plane, "
+                    "which this controller does not serve",
+                )
+            self.allocator.reserve(Placement(record.data_plane, job.slot_base, job.slot_count))
+            record.job = replace(job, generation=self.store.next_generation())
+            self.store.save(record)
+            now = self.clock()
+            self._active[job.job_id] = _Active(record, {w.rank: now for w in job.workers})
+            loaded[record.data_plane].append(record.job)
+        for name, jobs in loaded.items():
+            self.planes[name].restore(jobs)
+        return [j for jobs in loaded.values() for j in jobs]
+
+    # -- join ---------------------------------------------------------------------------------
+
+    def join(
+        self,
+        name: str,
+        world_size: int,
+        ip: str,
+        udp_port: int,
+        rank: int | None = None,
+        timeout: float | None = None,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> Assignment:
+        """Blocks until the job is complete and installed; ``alive`` says the caller still waits."""
+        self._check_join(name, world_size, ip, udp_port, rank)
+        wait = self.join_timeout if not timeout or timeout <= 0 else min(timeout, self.join_timeout)
+        deadline = self.clock() + wait
+        with self._cond:
+            for active in self._active.values():
+                job = active.record.job
+                if job.name != name:
+                    continue
+                for w in job.workers:
+                    if (w.ip, w.udp_port) == (ip, udp_port):
+                        raise JobError(
+                            grpc.StatusCode.ALREADY_EXISTS,
+                            f"{ip}:{udp_port} already joined job {name!r} as rank {w.rank}",
+                        )
+                raise JobError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {name!r} is already running with all {job.n} workers",
+                )
+            pending = self._pending.setdefault(name, _Pending(name, world_size))
+            self._check_member(pending, world_size, ip, udp_port, rank)
+            member = _Member(ip, udp_port, rank)
+            pending.members.append(member)
+            if len(pending.members) == pending.world_size:
+                del self._pending[name]
+                self._complete(pending)
+                self._cond.notify_all()
+            while pending.job is None and pending.error is None:
+                remaining = deadline - self.clock()
+                if remaining <= 0 or not alive():
+                    pending.members.remove(member)
+                    if not pending.members and self._pending.get(name) is pending:
+                        del self._pending[name]
+                    raise JobError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"job {name!r}: {len(pending.members) + 1} of {world_size} workers joined "
+                        f"within {wait:g} s; the others never came",
+                    )
+                self._cond.wait(min(remaining, 0.5))  # wakes up to notice a cancelled caller
+            if pending.error is not None:
+                raise pending.error
+            done = pending.job
+            assert done is not None
+            my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
+            agg_ip, agg_port = self.planes[pending.data_plane].aggregator
+            return Assignment(
+                pending.data_plane,
+                agg_ip,
+                agg_port,
+                done.job_id,
+                my.rank,
+                done.n,
+                done.slot_base,
+                done.slot_count,
+                done.k,
+                done.generation,
+            )
+
+    @staticmethod
+    def _check_join(name: str, world_size: int, ip: str, udp_port: int, rank: int | None) -> None:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if not name or len(name) > 200:
+            raise JobError(bad, "the job name must be 1..200 characters")
+        if not 1 <= world_size <= protocol.MAX_WORKERS:
+            raise JobError(bad, f"world size must be 1..{protocol.MAX_WORKERS}, not {world_size}")
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise JobError(bad, f"{ip!r} is not an IPv4 address") from None
+        if not 1 <= udp_port <= 65535:
+            raise JobError(bad, f"UDP port must be 1..65535, not {udp_port}")
+        if rank is not None and not 0 <= rank < world_size:
+            raise JobError(bad, f"rank {rank} is outside 0..{world_size - 1}")
+
+    @staticmethod
+    def _check_member(pending: _Pending, world_size: int, ip: str, udp_port: int, rank: int | None) -> None:
+        if world_size != pending.world_size:
+            raise JobError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"job {pending.name!r} has world size {pending.world_size}, not {world_size}",
+            )
+        for m in pending.members:
+            if (m.ip, m.udp_port) == (ip, udp_port):
+                raise JobError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"{ip}:{udp_port} already joined job {pending.name!r}"
+                )
+            if rank is not None and m.requested_rank == rank:
+                raise JobError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"rank {rank} of job {pending.name!r} is already taken by {m.ip}:{m.udp_port}",
+                )
+
+    def _complete(self, pending: _Pending) -> None:
+        """Assigns ranks and slots and installs; any failure is handed to every waiting worker."""
+        taken = {m.requested_rank for m in pending.members if m.requested_rank is not None}
+        free = iter(r for r in range(pending.world_size) if r not in taken)
+        ranks = [m.requested_rank if m.requested_rank is not None else next(free) for m in pending.members]
+        errors = []
+        for plane_name in self.order:
+            plane = self.planes[plane_name]
+            try:
+                workers = tuple(
+                    sorted(
+                        (
+                            plane.worker_addr(r, m.ip, m.udp_port)
+                            for r, m in zip(ranks, pending.members, strict=True)
+                        ),
+                        key=lambda w: w.rank,
+                    )
+                )
+                placement = self.allocator.place([(plane_name, plane.default_slots)])
+            except (AllocationError, DataPlaneError) as e:
+                errors.append(str(e))
+                continue
+            job = Job(
+                job_id=self._free_job_id(),
+                name=pending.name,
+                n=pending.world_size,
+                slot_base=placement.slot_base,
+                slot_count=placement.slot_count,
+                k=plane.k,
+                generation=self.store.next_generation(),
+                workers=workers,
+                counter_index=self._free_counter_index(plane_name),
+            )
+            try:
+                plane.install(job)
+            except DataPlaneError as e:
+                self.allocator.release(placement)
+                errors.append(str(e))
+                continue
+            record = JobRecord(job, plane_name)
+            self.store.save(record)
+            now = self.clock()
+            self._active[job.job_id] = _Active(record, {w.rank: now for w in workers})
+            pending.job, pending.data_plane = job, plane_name
+            return
+        pending.error = JobError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"job {pending.name!r} cannot be placed: " + "; ".join(errors)
+        )
+
+    def _free_job_id(self) -> int:
+        used = set(self._active)
+        return next(i for i in range(1, MAX_JOB_ID + 1) if i not in used)
+
+    def _free_counter_index(self, plane_name: str) -> int:
+        used = {
+            a.record.job.counter_index for a in self._active.values() if a.record.data_plane == plane_name
+        }
+        for i in range(self.max_counter_index):
+            if i not in used:
+                return i
+        raise DataPlaneError(f"all {self.max_counter_index} job counter indices are in use")
+
+    # -- running jobs ------------------------------------------------------------------------
+
+    def _get(self, job_id: int, rank: int | None = None) -> _Active:
+        active = self._active.get(job_id)
+        if active is None:
+            raise JobError(grpc.StatusCode.NOT_FOUND, f"no job {job_id} (torn down, reaped or never created)")
+        if rank is not None and rank not in active.last_seen:
+            raise JobError(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no rank {rank}")
+        return active
+
+    def heartbeat(self, job_id: int, rank: int) -> int:
+        with self._cond:
+            active = self._get(job_id, rank)
+            if rank in active.record.left:
+                raise JobError(grpc.StatusCode.FAILED_PRECONDITION, f"rank {rank} already left job {job_id}")
+            active.last_seen[rank] = self.clock()
+            return active.record.job.generation
+
+    def leave(self, job_id: int, rank: int) -> bool:
+        """Marks a rank as gone; the job is removed once all ranks left (the others may still
+        need a resent result, so the first to leave cannot free the slots)."""
+        with self._cond:
+            active = self._get(job_id, rank)
+            active.record.left.add(rank)
+            if len(active.record.left) < active.record.job.n:
+                self.store.mark_left(job_id, rank)
+                return False
+            self._remove(active)
+            return True
+
+    def teardown(self, job: str) -> int:
+        with self._cond:
+            for active in list(self._active.values()):
+                if active.record.job.name == job or str(active.record.job.job_id) == job:
+                    self._remove(active)
+                    return active.record.job.job_id
+            pending = self._pending.pop(job, None)
+            if pending is not None:
+                pending.error = JobError(grpc.StatusCode.ABORTED, f"job {job!r} was torn down while joining")
+                self._cond.notify_all()
+                return 0
+        raise JobError(grpc.StatusCode.NOT_FOUND, f"no job named or numbered {job!r}")
+
+    def _remove(self, active: _Active) -> None:
+        job = active.record.job
+        del self._active[job.job_id]
+        self.store.delete(job.job_id)
+        self.planes[active.record.data_plane].remove(job)
+        self.allocator.release(Placement(active.record.data_plane, job.slot_base, job.slot_count))
+
+    def reap(self) -> list[int]:
+        """Removes jobs with a worker silent for longer than the reap timeout; returns their ids."""
+        now = self.clock()
+        reaped = []
+        with self._cond:
+            for job_id, active in list(self._active.items()):
+                silent = [
+                    r
+                    for r, seen in active.last_seen.items()
+                    if r not in active.record.left and now - seen > self.reap_timeout
+                ]
+                if silent:
+                    self._remove(active)
+                    reaped.append(job_id)
+        return reaped
+
+    def bump_generations(self, plane_name: str) -> list[Job]:
+        """New generations for every job on a data plane (it restarted: its slot state is gone)."""
+        with self._cond:
+            jobs = []
+            for active in self._active.values():
+                if active.record.data_plane == plane_name:
+                    active.record.job = replace(active.record.job, generation=self.store.next_generation())
+                    self.store.save(active.record)
+                    jobs.append(active.record.job)
+            return jobs
+
+    def jobs(self, plane_name: str | None = None) -> list[Job]:
+        with self._cond:
+            return [
+                a.record.job
+                for a in self._active.values()
+                if plane_name is None or a.record.data_plane == plane_name
+            ]
+
+    def list(self) -> list[JobView]:
+        with self._cond:
+            views = [
+                JobView(
+                    a.record.job.name,
+                    "active",
+                    a.record.data_plane,
+                    a.record.job.n,
+                    a.record.job,
+                    tuple((w.ip, w.udp_port) for w in a.record.job.workers),
+                    frozenset(a.record.left),
+                )
+                for a in sorted(self._active.values(), key=lambda a: a.record.job.job_id)
+            ]
+            views += [
+                JobView(
+                    p.name,
+                    "pending",
+                    "",
+                    p.world_size,
+                    None,
+                    tuple((m.ip, m.udp_port) for m in p.members),
+                    frozenset(),
+                )
+                for p in self._pending.values()
+            ]
+            return views
+
+
+def worker_addrs(job: Job) -> list[WorkerAddr]:
+    return sorted(job.workers, key=lambda w: w.rank)

@@ -1,0 +1,150 @@
+"""The worker side of the controller's job service: join a job, heartbeat, leave.
+
+a = join("127.0.0.1:50051", secret, "resnet", world_size=4, ip="10.0.0.1", udp_port=40001)
+with Heartbeat("127.0.0.1:50051", secret, a):
+    ...  # Session(a.job_id, a.rank, ...) and allreduce
+leave("127.0.0.1:50051", secret, a)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+
+from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+
+class JobServiceError(Exception):
+    """The job service refused a request or could not be reached; ``code`` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the controller told this worker: where to aggregate and with which parameters."""
+
+    data_plane: str  # "p4" or "software"
+    aggregator_ip: str
+    aggregator_port: int
+    job_id: int
+    rank: int
+    world_size: int
+    slot_base: int
+    slot_count: int
+    k: int
+    generation: int
+
+
+def _call(service: str, what: str, method: str, request: object, timeout: float) -> object:
+    try:
+        with grpc.insecure_channel(service) as channel:
+            stub = jobs_pb2_grpc.JobServiceStub(channel)
+            return getattr(stub, method)(request, timeout=timeout)
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            details = f"job service {service} is unreachable ({details})"
+        raise JobServiceError(f"{what}: {details}", code) from None
+
+
+def join(
+    service: str,
+    secret: str,
+    job_name: str,
+    world_size: int,
+    ip: str,
+    udp_port: int,
+    rank: int | None = None,
+    timeout: float = 60.0,
+) -> Assignment:
+    """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed."""
+    request = jobs_pb2.JoinRequest(
+        secret=secret,
+        job_name=job_name,
+        world_size=world_size,
+        ip=ip,
+        udp_port=udp_port,
+        rank=-1 if rank is None else rank,
+        timeout_s=timeout,
+    )
+    # The server enforces the join timeout and answers with a clear error; the RPC deadline
+    # only has to outlast it.
+    r = _call(service, f"join {job_name!r}", "Join", request, timeout + 10.0)
+    assert isinstance(r, jobs_pb2.JoinReply)
+    return Assignment(
+        r.data_plane,
+        r.aggregator_ip,
+        r.aggregator_port,
+        r.job_id,
+        r.rank,
+        r.world_size,
+        r.slot_base,
+        r.slot_count,
+        r.k,
+        r.generation,
+    )
+
+
+def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> bool:
+    """Leaves the job; True when this was the last worker and the job's slots were freed."""
+    request = jobs_pb2.LeaveRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    r = _call(service, f"leave job {assignment.job_id}", "Leave", request, timeout)
+    assert isinstance(r, jobs_pb2.LeaveReply)
+    return r.job_removed
+
+
+def heartbeat(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> int:
+    """Tells the service this worker is alive; returns the job's current generation."""
+    request = jobs_pb2.HeartbeatRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    r = _call(service, f"heartbeat job {assignment.job_id}", "Heartbeat", request, timeout)
+    assert isinstance(r, jobs_pb2.HeartbeatReply)
+    return r.generation
+
+
+class Heartbeat:
+    """Heartbeats every ``interval`` seconds from a daemon thread while the job runs.
+
+    A failed heartbeat (job torn down or reaped, service gone) is kept in ``error``; the
+    thread stops then, since the job's slots may already belong to someone else.
+    """
+
+    def __init__(self, service: str, secret: str, assignment: Assignment, interval: float = 2.0) -> None:
+        if interval <= 0:
+            raise ValueError(f"the heartbeat interval must be positive, not {interval}")
+        self.service, self.secret, self.assignment, self.interval = service, secret, assignment, interval
+        self.error: JobServiceError | None = None
+        self.generation = assignment.generation
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="switchagg-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.generation = heartbeat(self.service, self.secret, self.assignment)
+            except JobServiceError as e:
+                self.error = e
+                return
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.interval + 15.0)
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,77 @@
+"""The scapy layer encodes and decodes exactly what protocol.Header does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+
+from switchagg import protocol
+from switchagg.scapy_layer import Agg, from_header
+
+
+def _random_header(rng: random.Random) -> protocol.Header:
+    k = rng.choice([1, 3, protocol.P4_K])
+    return protocol.Header(
+        job=rng.randrange(0x10000),
+        rank=rng.randrange(0x10000),
+        slot=rng.randrange(protocol.POOL_SLOT_MASK + 1),
+        shadow=rng.randrange(2),
+        offset=rng.randrange(2**32),
+        exp=rng.randrange(-128, 128),
+        type=rng.choice([protocol.MSG_DATA, protocol.MSG_RESULT]),
+        flags=rng.randrange(256),
+        values=[rng.randrange(-(2**31), 2**31) for _ in range(k)],
+    )
+
+
+def test_header_length_matches_protocol() -> None:
+    assert len(bytes(Agg(elems=0))) == protocol.HEADER_LEN
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_build_and_dissect_agree_with_protocol(seed: int) -> None:
+    h = _random_header(random.Random(seed))
+    layer = Agg(
+        version=h.version,
+        type=h.type,
+        flags=h.flags,
+        exp=h.exp,
+        job=h.job,
+        rank=h.rank,
+        shadow=h.shadow,
+        slot=h.slot,
+        offset=h.offset,
+        values=h.values,
+    )
+    assert bytes(layer) == h.pack()
+    back = Agg(h.pack())
+    assert back.to_header() == protocol.Header.unpack(h.pack())
+    assert back.values == h.values and back.elems == len(h.values)
+    assert bytes(from_header(h)) == h.pack()
+
+
+def test_udp_port_binds_both_directions() -> None:
+    payload = protocol.Header(job=1, rank=2, slot=3, values=[7] * 4).pack()
+    for sport, dport in ((5000, protocol.UDP_PORT), (protocol.UDP_PORT, 5000)):
+        frame = Ether(bytes(Ether() / IP() / UDP(sport=sport, dport=dport) / payload))
+        assert frame.haslayer(Agg), f"sport={sport} dport={dport} not dissected as Agg"
+        assert frame[Agg].values == [7] * 4
+    other = Ether(bytes(Ether() / IP() / UDP(sport=5000, dport=5001) / payload))
+    assert not other.haslayer(Agg)
+
+
+def test_truncated_payload_keeps_whole_words_and_pads_the_rest() -> None:
+    payload = protocol.Header(job=1, rank=0, slot=0, values=list(range(8))).pack()
+    layer = Agg(payload[:-2])
+    assert layer.values == list(range(7))
+    assert bytes(layer.payload) == payload[-4:-2]
+    short = Ether(bytes(Ether() / IP() / UDP(dport=protocol.UDP_PORT) / payload[:10]))
+    assert not short.haslayer(Agg) and bytes(short[UDP].payload) == payload[:10]
+
+
+def test_explicit_elems_is_kept_for_malformed_packets() -> None:
+    raw = bytes(Agg(elems=63, values=[1] * 64))
+    assert protocol.Header.unpack(raw).elems == 63

@@ -1,0 +1,28 @@
+# The two quick-start commands: `make demo` and `make test` (see README.md).
+PY ?= python3
+PIP = $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test install install-dev lint bench p4
+
+install:
+	$(PIP) -e .
+
+# torch first, pinned: the CPU wheel; a bare requirement would pull a CUDA build of several GB.
+install-dev:
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test,controller,torch]"
+
+demo: install
+	$(PY) -m switchagg.demo --workers 4 --size 4000000
+
+test: install-dev
+	$(PY) -m pytest
+
+lint:
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests
+
+bench: install-dev
+	$(PY) bench/bench_allreduce.py
+
+p4:
+	$(MAKE) -C p4

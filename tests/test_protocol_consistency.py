@@ -1,0 +1,98 @@
+"""One source of truth: protocol.py; the C header, the P4 program and the scapy layer agree with it."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from switchagg import _core, protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_c_constants_match_protocol_py() -> None:
+    c = _core.constants()
+    for name in (
+        "VERSION",
+        "UDP_PORT",
+        "MSG_DATA",
+        "MSG_RESULT",
+        "FLAG_PRIME",
+        "POOL_SET_BIT",
+        "POOL_SLOT_MASK",
+        "EXP_NONE",
+        "HEADER_LEN",
+        "MAX_WORKERS",
+        "P4_K",
+        "P4_NUM_SLOTS",
+        "MAX_UDP_PAYLOAD",
+        "MAX_K",
+    ):
+        assert c[name] == getattr(protocol, name), name
+    assert c["DROP_NREASONS"] == len(protocol.DROP_REASONS)
+
+
+def test_c_drop_enum_order_matches_protocol_py() -> None:
+    text = (ROOT / "host/csrc/protocol.h").read_text()
+    enum = re.search(r"enum sa_drop \{(.*?)\}", text, re.S)
+    assert enum is not None
+    names = [m.lower() for m in re.findall(r"SA_DROP_(\w+)", enum.group(1)) if m != "NREASONS"]
+    assert tuple(names) == protocol.DROP_REASONS
+
+
+def test_header_layout_is_16_bytes_big_endian() -> None:
+    h = protocol.Header(job=0x0102, rank=3, slot=5, shadow=1, offset=0x0A0B0C0D, exp=-2, flags=1, values=[1, -1])
+    raw = h.pack()
+    assert raw[:16] == bytes([1, 1, 1, 0xFE, 1, 2, 0, 3, 0x80, 5, 0, 2, 0x0A, 0x0B, 0x0C, 0x0D])
+    assert raw[16:] == struct.pack("!ii", 1, -1)
+    assert protocol.Header.unpack(raw) == h.__class__(**{**h.__dict__, "elems": 2})
+
+
+def _p4_consts() -> dict[str, int]:
+    text = (ROOT / "p4/switchagg.p4").read_text()
+    consts = {}
+    for name, expr in re.findall(r"const bit<\d+>\s+(\w+)\s*=\s*([^;]+);", text):
+        if re.fullmatch(r"[0-9A-Fa-fx+*\s()-]+", expr):  # plain arithmetic on literals only
+            consts[name] = int(eval(expr))  # noqa: S307 - the pattern admits literals and + - * only
+    return consts
+
+
+def test_p4_constants_match_protocol_py() -> None:
+    p4 = _p4_consts()
+    for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "P4_K", "P4_NUM_SLOTS", "POOL_SLOT_MASK"):
+        assert p4[name] == getattr(protocol, name), name
+    assert p4["AGG_UDP_LEN"] == 8 + protocol.packet_len(protocol.P4_K)
+    for reason, index in protocol.DROP_INDEX.items():
+        assert p4[f"DROP_{reason.upper()}"] == index, reason
+    assert p4["NUM_DROP_REASONS"] == len(protocol.DROP_REASONS)
+
+
+def test_p4_header_fields_match_protocol_layout() -> None:
+    text = (ROOT / "p4/switchagg.p4").read_text()
+    m = re.search(r"header\s+agg_t\s*\{(.*?)\}", text, re.S)
+    assert m is not None, "p4/switchagg.p4 has no agg_t header"
+    widths = [int(w) for w in re.findall(r"bit<(\d+)>", m.group(1))]
+    # version type flags exp job rank pool elems offset, as in protocol.HEADER_FORMAT
+    assert widths == [8, 8, 8, 8, 16, 16, 16, 16, 32]
+    assert sum(widths) // 8 == protocol.HEADER_LEN
+
+
+def test_p4_info_matches_protocol() -> None:
+    p4info = ROOT / "p4/build/switchagg.p4info.txtpb"
+    if not p4info.exists():
+        pytest.skip("p4/build/switchagg.p4info.txtpb is not built yet")
+    text = p4info.read_text()
+    drops = re.search(r'name: "MyIngress\.drops".*?size: (\d+)', text, re.S)
+    assert drops is not None and int(drops.group(1)) == len(protocol.DROP_REASONS)
+
+
+def test_scapy_layer_matches_protocol_py() -> None:
+    pytest.importorskip("scapy", reason="scapy is not installed")
+    from switchagg.scapy_layer import Agg
+
+    h = protocol.Header(job=7, rank=2, slot=9, shadow=1, offset=640, exp=5, values=list(range(protocol.P4_K)))
+    assert bytes(Agg(h.pack())) == h.pack()
+    assert len(bytes(Agg(elems=0))) == protocol.HEADER_LEN

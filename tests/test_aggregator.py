@@ -1,0 +1,332 @@
+"""The software aggregator (switchagg._core.Aggregator, SoftwareAggregator, the CLI) over real UDP."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from switchagg import _core
+from switchagg.aggregator import SoftwareAggregator, format_counters, parse_job
+from switchagg.protocol import DROP_REASONS, EXP_NONE, JOB_COUNTERS, MAX_K, MSG_RESULT, Header
+
+WAIT_S = 10.0  # generous; only guards against hangs
+
+
+@pytest.fixture
+def agg() -> Iterator[SoftwareAggregator]:
+    with SoftwareAggregator() as a:
+        yield a
+
+
+@pytest.fixture
+def socks() -> Iterator[list[socket.socket]]:
+    made = []
+    for _ in range(4):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(WAIT_S)
+        made.append(s)
+    yield made
+    for s in made:
+        s.close()
+
+
+def data(
+    job: int, rank: int, slot: int, values: list[int] | np.ndarray, shadow: int = 0, exp: int = EXP_NONE
+) -> bytes:
+    return Header(
+        job=job, rank=rank, slot=slot, shadow=shadow, exp=exp, values=[int(v) for v in values]
+    ).pack()
+
+
+def wait_rx(a: SoftwareAggregator, rx: int) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while (c := a.counters())["rx"] < rx:
+        assert time.monotonic() < deadline, f"aggregator saw {c['rx']} of {rx} datagrams"
+        time.sleep(0.001)
+    return c
+
+
+def nothing_waiting(s: socket.socket) -> bool:
+    return not select.select([s], [], [], 0.05)[0]
+
+
+# ---- validation ----
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((1, 0, 0, 4, 8, 1), "n \\(workers\\) must be in 1..32"),
+        ((1, 33, 0, 4, 8, 1), "n \\(workers\\) must be in 1..32"),
+        ((1, 2, 0, 4, 0, 1), "k must be in 1..16372"),
+        ((1, 2, 0, 4, MAX_K + 1, 1), "k must be in 1..16372"),
+        ((1, 2, 0, 0, 8, 1), "slot range"),
+        ((1, 2, -1, 4, 8, 1), "slot range"),
+        ((1, 2, 32767, 2, 8, 1), "slot range"),
+        ((1, 2, 0, 4, 8, 0), "generation must be in 1..65535"),
+        ((1, 2, 0, 4, 8, 65536), "generation must be in 1..65535"),
+        ((65536, 2, 0, 4, 8, 1), "job_id must be in 0..65535"),
+    ],
+)
+def test_add_job_rejects_bad_parameters(
+    agg: SoftwareAggregator, args: tuple[int, int, int, int, int, int], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        agg.add_job(*args)
+    assert agg.counters()["jobs"] == {}
+
+
+def test_add_job_rejects_bad_addrs(agg: SoftwareAggregator) -> None:
+    with pytest.raises(ValueError, match="one \\(ip, port\\) per rank: 2 expected, got 1"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [("127.0.0.1", 5000)])
+    with pytest.raises(ValueError, match="not an IPv4 address"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("localhost", 5001)])
+    with pytest.raises(ValueError, match="must be an \\(ip: str, port: int\\) tuple"):
+        agg.add_job(1, 1, 0, 4, 8, 1, ["127.0.0.1:5000"])  # type: ignore[list-item]
+    assert agg.counters()["jobs"] == {}
+
+
+def test_job_ids_and_slot_ranges_are_exclusive(agg: SoftwareAggregator) -> None:
+    agg.add_job(1, 2, 100, 10, 8, 1)
+    with pytest.raises(ValueError, match="job id 1 is already installed"):
+        agg.add_job(1, 2, 0, 4, 8, 1)
+    with pytest.raises(ValueError, match="overlap slots \\[100, 110\\) of job 1"):
+        agg.add_job(2, 2, 109, 4, 8, 1)
+    with pytest.raises(ValueError, match="overlap"):
+        agg.add_job(2, 2, 90, 11, 8, 1)
+    agg.add_job(2, 2, 110, 4, 8, 1)  # adjacent is fine
+    agg.add_job(3, 2, 90, 10, 8, 1)
+    agg.remove_job(1)
+    with pytest.raises(ValueError, match="job 1 is not installed"):
+        agg.remove_job(1)
+    agg.add_job(4, 2, 100, 10, 8, 1)  # the range is free again
+    assert sorted(agg.counters()["jobs"]) == [2, 3, 4]
+
+
+def test_constructor_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="drop_in must be a probability"):
+        _core.Aggregator(drop_in=1.5)
+    with pytest.raises(ValueError, match="dup_out must be a probability"):
+        _core.Aggregator(dup_out=-0.1)
+    with pytest.raises(ValueError, match="host must be an IPv4 address"):
+        _core.Aggregator(host="::1")
+    with pytest.raises(ValueError, match="port must be in 0..65535"):
+        _core.Aggregator(port=70000)
+    taken = _core.Aggregator()
+    with pytest.raises(OSError, match="cannot bind"):
+        _core.Aggregator(port=taken.port)
+
+
+# ---- the packet path ----
+
+
+def test_learnt_addresses_and_large_k_wraparound(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
+    """No addresses given: results go where each rank's DATA came from; K=8192 int32 wrap-around."""
+    k, n = 8192, 4
+    agg.add_job(5, n, 0, 2, k, 1)
+    rng = np.random.default_rng(7)
+    contributions = rng.integers(-(2**31), 2**31, size=(n, k), dtype=np.int64).astype(np.int32)
+    for r in range(n):
+        socks[r].sendto(data(5, r, 1, contributions[r], shadow=1, exp=r - 2), agg.address)
+    want = contributions.sum(axis=0, dtype=np.int32)  # numpy int32 sums wrap like the protocol's
+    for r in range(n):
+        h = Header.unpack(socks[r].recv(65536))
+        assert (h.type, h.rank, h.slot, h.shadow, h.exp, h.elems) == (MSG_RESULT, r, 1, 1, 1, k)
+        assert np.array_equal(np.array(h.values, dtype=np.int32), want)
+    c = agg.counters()
+    assert c["jobs"][5] == {"aggregated": 4, "multicast": 1, "resent": 0, "retrans_ignored": 0}
+    assert c["rx"] == 4 and c["tx"] == 4
+
+
+def test_two_jobs_are_isolated(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
+    a, b = socks[0:2], socks[2:4]
+    agg.add_job(1, 2, 0, 4, 16, 1, [s.getsockname() for s in a])
+    agg.add_job(2, 2, 4, 4, 16, 9, [s.getsockname() for s in b])
+    a[0].sendto(data(1, 0, 3, [1] * 16), agg.address)
+    b[0].sendto(data(2, 0, 4, [100] * 16), agg.address)
+    b[1].sendto(data(2, 1, 4, [200] * 16), agg.address)
+    for s in b:
+        assert Header.unpack(s.recv(65536)).values == [300] * 16
+    a[1].sendto(data(2, 1, 4, [5] * 16), agg.address)  # job 1's endpoint claiming job 2's rank 1
+    a[1].sendto(data(1, 1, 4, [5] * 16), agg.address)  # job 2's slot for job 1
+    a[1].sendto(data(1, 1, 3, [2] * 16), agg.address)
+    for s in a:
+        h = Header.unpack(s.recv(65536))
+        assert (h.job, h.slot, h.values) == (1, 3, [3] * 16)
+    c = wait_rx(agg, 6)
+    assert c["drops"]["spoofed"] == 1 and c["drops"]["bad_pool"] == 1
+    assert c["jobs"][1]["multicast"] == 1 and c["jobs"][2]["multicast"] == 1
+    assert all(nothing_waiting(s) for s in socks)
+
+
+def test_counters_layout(agg: SoftwareAggregator) -> None:
+    agg.add_job(3, 1, 0, 1, 8, 1)
+    c = agg.counters()
+    assert set(c) == {"rx", "tx", "drops", "faults", "jobs"}
+    assert list(c["drops"]) == list(DROP_REASONS)
+    assert set(c["faults"]) == {"dropped_in", "duplicated_in", "dropped_out", "duplicated_out"}
+    assert list(c["jobs"][3]) == list(JOB_COUNTERS)
+    table = format_counters(c)
+    assert "truncated" in table and "retrans_ignored" in table
+
+
+def test_readding_a_job_resets_its_slots(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
+    addrs = [s.getsockname() for s in socks[:2]]
+    agg.add_job(6, 2, 0, 1, 4, 1, addrs)
+    socks[0].sendto(data(6, 0, 0, [50] * 4), agg.address)
+    wait_rx(agg, 1)
+    agg.remove_job(6)
+    agg.add_job(6, 2, 0, 1, 4, 2, addrs)
+    socks[0].sendto(data(6, 0, 0, [1] * 4), agg.address)
+    socks[1].sendto(data(6, 1, 0, [2] * 4), agg.address)
+    for s in socks[:2]:
+        assert Header.unpack(s.recv(65536)).values == [3] * 4
+    assert agg.counters()["jobs"][6]["aggregated"] == 2
+
+
+# ---- fault injection ----
+
+
+def _inject(seed: int, socks: list[socket.socket]) -> tuple[dict, int]:
+    """1000 rounds of a 1-worker job, 25 % drops and duplicates each way; -> (counters, received)."""
+    rounds, batch = 1000, 50
+    received = 0
+    with SoftwareAggregator(drop_in=0.25, dup_in=0.25, drop_out=0.25, dup_out=0.25, seed=seed) as a:
+        a.add_job(1, 1, 0, 1, 4, 1, [socks[0].getsockname()])
+        for start in range(0, rounds, batch):
+            for i in range(start, start + batch):  # alternate sets: each packet starts a new round
+                socks[0].sendto(data(1, 0, 0, [i] * 4, shadow=i % 2), a.address)
+            c = wait_rx(a, start + batch)
+            while received < c["tx"]:  # results were sent before rx counted their trigger
+                socks[0].recv(65536)
+                received += 1
+        assert nothing_waiting(socks[0])
+        return a.counters(), received
+
+
+def test_fault_injection_is_honoured_and_seeded(socks: list[socket.socket]) -> None:
+    c, received = _inject(1, socks)
+    f, j = c["faults"], c["jobs"][1]
+    assert c["rx"] == 1000
+    assert 150 <= f["dropped_in"] <= 350  # binomial(1000, 0.25): mean 250, sd 14
+    processed = 1000 - f["dropped_in"] + f["duplicated_in"]
+    assert 0.15 * (1000 - f["dropped_in"]) <= f["duplicated_in"] <= 0.35 * (1000 - f["dropped_in"])
+    # Each processed datagram either completes its round or is a duplicate answered with the result.
+    assert j["aggregated"] + j["resent"] + j["retrans_ignored"] == processed
+    assert j["retrans_ignored"] == 0
+    results = j["multicast"] + j["resent"]
+    assert 0.15 * results <= f["dropped_out"] <= 0.35 * results
+    assert c["tx"] == results - f["dropped_out"] + f["duplicated_out"] == received
+    again, _ = _inject(1, socks)
+    assert again["faults"] == f and again["jobs"] == c["jobs"]
+    other, _ = _inject(2, socks)
+    assert other["faults"] != f
+
+
+# ---- run / stop ----
+
+
+def test_stop_ends_run_and_run_timeout_returns() -> None:
+    a = _core.Aggregator()
+    t = threading.Thread(target=a.run)
+    t.start()
+    deadline = time.monotonic() + WAIT_S
+    while not a.running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert a.running
+    with pytest.raises(RuntimeError, match="already serving"):
+        a.run(timeout=0.1)
+    a.stop()
+    t.join(WAIT_S)
+    assert not t.is_alive() and not a.running
+    a.run(timeout=0.05)  # returns by itself
+    with pytest.raises(ValueError, match="timeout must be None or >= 0"):
+        a.run(timeout=-1)
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.counters()
+
+
+def test_jobs_can_change_while_serving(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
+    for job in range(20):
+        agg.add_job(job, 1, job, 1, 4, 1, [socks[0].getsockname()])
+        socks[0].sendto(data(job, 0, job, [job] * 4), agg.address)
+        assert Header.unpack(socks[0].recv(65536)).values == [job] * 4
+        if job % 2:
+            agg.remove_job(job)
+    assert sorted(agg.counters()["jobs"]) == list(range(0, 20, 2))
+
+
+# ---- the CLI ----
+
+
+def test_parse_job() -> None:
+    assert parse_job("7:2:0:32:8192") == (7, 2, 0, 32, 8192, 1)
+    assert parse_job("7:2:0:32:64:5") == (7, 2, 0, 32, 64, 5)
+    with pytest.raises(Exception, match="ID:N:BASE:COUNT:K"):
+        parse_job("7:2:0")
+    with pytest.raises(Exception, match="integer"):
+        parse_job("7:2:x:32:64")
+
+
+def test_cli_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "switchagg.aggregator", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    assert "--job" in out.stdout and "--drop-in" in out.stdout and "--stats-interval" in out.stdout
+
+
+def test_cli_rejects_a_bad_job() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", "1:40:0:4:8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "n (workers) must be in 1..32" in out.stderr
+
+
+def _readline(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], WAIT_S)
+    assert ready, "the aggregator printed nothing"
+    return proc.stdout.readline()
+
+
+def test_cli_serves_a_job_and_exits_on_sigint(socks: list[socket.socket]) -> None:
+    cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", "9:2:10:4:32:3"]
+    cmd += ["--stats-interval", "0.05"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            first = _readline(proc)
+            assert "listening on 127.0.0.1:" in first and "9 (n=2, slots 10..13, K=32)" in first
+            port = int(first.split("127.0.0.1:")[1].split(";")[0])
+            socks[0].sendto(data(9, 0, 12, list(range(32))), ("127.0.0.1", port))
+            socks[1].sendto(data(9, 1, 12, [-1] * 32), ("127.0.0.1", port))
+            for r in range(2):
+                h = Header.unpack(socks[r].recv(65536))
+                assert (h.rank, h.values) == (r, [v - 1 for v in range(32)])
+            while "rx 2" not in _readline(proc):  # the periodic table catches up with the traffic
+                pass
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    final = out.split("final counters:")[1]
+    assert "rx 2  tx 2" in final
+    assert final.strip().splitlines()[-1].split() == ["9", "2", "1", "0", "0"]

@@ -39,7 +39,8 @@ class _Node:
         self.line = node.start_mark.line + 1
 
     def fail(self, message: str) -> TopologyError:
-        return TopologyError(f"{self.source}:{self.line}: {self.path}: {message}")
+        where = f"{self.path}: " if self.path else ""
+        return TopologyError(f"{self.source}:{self.line}: {where}{message}")
 
     def mapping(self, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, _Node]:
         if not isinstance(self.node, yaml.MappingNode):

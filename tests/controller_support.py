@@ -1,0 +1,151 @@
+"""Shared helpers of the controller tests: a real switchagg-ctl serve process and worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SECRET = "s3cret-for-tests"
+
+# A worker process: joins through the job service, allreduces a tensor known from its rank, leaves.
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from switchagg import Session, jobclient
+    service, secret, name = sys.argv[1:4]
+    n, length, seed = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    rank = None if sys.argv[7] == "-" else int(sys.argv[7])
+    with Session.from_job_service(service, secret, name, n, rank=rank, join_timeout=60.0) as s:
+        a = s.assignment
+        x = (np.arange(length, dtype=np.int64) * (seed + 1) + a.rank * 7 - 3).astype(np.int32)
+        s.allreduce(x)
+        y = np.ones(length, dtype=np.float32) * (a.rank + 1) * 0.5
+        s.allreduce(y)
+        removed = jobclient.leave(service, secret, a)
+        print(json.dumps({"rank": a.rank, "job_id": a.job_id, "slot_base": a.slot_base,
+                          "slot_count": a.slot_count, "k": a.k, "data_plane": a.data_plane,
+                          "int_sum": int(x.astype(np.int64).sum()), "int_head": x[:4].tolist(),
+                          "float_head": y[:4].tolist(), "removed": removed}))
+    """
+)
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Controller:
+    """``switchagg-ctl serve`` in its own process; ``address`` is its job service."""
+
+    def __init__(self, tmp: Path, extra: list[str], secret: str = SECRET) -> None:
+        self.secret_file = tmp / "secret"
+        self.secret_file.write_text(secret + "\n")
+        self.state = tmp / "ctl.db"
+        self.extra = extra
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+        self.banner = ""
+
+    def start(self, port: int = 0) -> Controller:
+        cmd = [
+            sys.executable, "-m", "switchagg_controller.cli", "serve", "--listen", f"127.0.0.1:{port}",
+            "--secret-file", str(self.secret_file), "--state", str(self.state), *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.banner = self.proc.stdout.readline()  # the banner comes once the service listens
+        if "job service on" not in self.banner:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=30)
+            raise RuntimeError(f"switchagg-ctl serve did not start: {self.banner!r} {err}")
+        self.address = self.banner.split("job service on ")[1].split(";")[0]
+        return self
+
+    def stop(self) -> str:
+        """Stops the process (SIGTERM, then SIGKILL) and returns its stderr."""
+        if self.proc is None:
+            return ""
+        proc, self.proc = self.proc, None
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+        return err
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "switchagg_controller.cli", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{cmd} failed: {r.stdout} {r.stderr}")
+        return r
+
+    def client_args(self) -> list[str]:
+        return ["--service", self.address, "--secret-file", str(self.secret_file)]
+
+
+def start_workers(
+    service: str,
+    secret: str,
+    name: str,
+    n: int,
+    length: int,
+    seed: int = 0,
+    ranks: list[int | None] | None = None,
+) -> list[subprocess.Popen[str]]:
+    ranks = ranks or [None] * n
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                service,
+                secret,
+                name,
+                str(n),
+                str(length),
+                str(seed),
+                "-" if r is None else str(r),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for r in ranks
+    ]
+
+
+def collect(procs: list[subprocess.Popen[str]], timeout: float = 120.0) -> list[dict[str, object]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a worker process hung") from None
+        if p.returncode != 0:
+            raise AssertionError(f"worker failed ({p.returncode}): {err}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def expected_int_sum(n: int, length: int, seed: int) -> tuple[int, list[int]]:
+    """The int32 allreduce of WORKER's tensors: sum over ranks of arange*(seed+1) + 7r - 3."""
+    head = [sum(i * (seed + 1) + r * 7 - 3 for r in range(n)) for i in range(4)]
+    total = sum(sum(i * (seed + 1) + r * 7 - 3 for i in range(length)) for r in range(n))
+    return total, head

@@ -1,0 +1,162 @@
+"""The job service end to end: switchagg-ctl serve with its software aggregator, real gRPC on
+127.0.0.1, and worker processes that join, allreduce through switchagg.Session and leave."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from controller_support import SECRET, Controller, collect, expected_int_sum, free_port, start_workers
+
+from switchagg import jobclient, protocol
+
+
+@pytest.fixture
+def controller(tmp_path: Path):
+    c = Controller(
+        tmp_path, ["--software", "--software-listen", "127.0.0.1:0", "--join-timeout", "60"]
+    ).start()
+    yield c
+    c.stop()
+
+
+def test_workers_join_allreduce_and_leave(controller: Controller) -> None:
+    n, length = 3, 20000  # several chunks per slot at the default K
+    results = collect(start_workers(controller.address, SECRET, "e2e", n, length, seed=2))
+    assert sorted(r["rank"] for r in results) == list(range(n))
+    assert {r["job_id"] for r in results} == {results[0]["job_id"]}
+    assert {r["data_plane"] for r in results} == {"software"}
+    assert {r["k"] for r in results} == {protocol.DEFAULT_SW_K}
+    total, head = expected_int_sum(n, length, seed=2)
+    for r in results:
+        assert r["int_sum"] == total and r["int_head"] == head
+        assert r["float_head"] == pytest.approx([n * (n + 1) / 4] * 4, abs=protocol.error_bound(n, 2))
+    assert sum(bool(r["removed"]) for r in results) == 1  # the last to leave frees the slots
+    assert "no jobs" in controller.ctl("jobs", *controller.client_args()).stdout
+
+
+def test_requested_ranks_are_honoured(controller: Controller) -> None:
+    results = collect(start_workers(controller.address, SECRET, "ranked", 3, 100, ranks=[2, None, 0]))
+    assert sorted(r["rank"] for r in results) == [0, 1, 2]
+    total, _ = expected_int_sum(3, 100, 0)
+    assert all(r["int_sum"] == total for r in results)
+
+
+def test_bad_secret_is_unauthenticated(controller: Controller) -> None:
+    with pytest.raises(jobclient.JobServiceError, match="wrong secret") as e:
+        jobclient.join(controller.address, "not-the-secret", "j", 1, "127.0.0.1", 40000, timeout=5)
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    r = controller.ctl("jobs", "--service", controller.address, "--secret", "nope", check=False)
+    assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr
+
+
+def test_double_join_from_one_address_is_refused(controller: Controller) -> None:
+    errors: list[jobclient.JobServiceError] = []
+
+    def first() -> None:
+        try:
+            jobclient.join(controller.address, SECRET, "dup", 2, "127.0.0.1", 40001, timeout=20)
+        except jobclient.JobServiceError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        # Wait until the first join is registered, then join again from the same address.
+        for _ in range(200):
+            if "127.0.0.1:40001" in controller.ctl("jobs", *controller.client_args()).stdout:
+                break
+        with pytest.raises(jobclient.JobServiceError, match="already joined") as e:
+            jobclient.join(controller.address, SECRET, "dup", 2, "127.0.0.1", 40001, rank=1, timeout=5)
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        controller.ctl("teardown", "dup", *controller.client_args())  # releases the waiting join
+        t.join(30)
+    assert errors and errors[0].code == grpc.StatusCode.ABORTED
+
+
+def test_join_times_out_with_a_clear_error(controller: Controller) -> None:
+    with pytest.raises(jobclient.JobServiceError, match="1 of 2 workers joined within 1 s") as e:
+        jobclient.join(controller.address, SECRET, "lonely", 2, "127.0.0.1", 40002, timeout=1.0)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "lonely" not in controller.ctl("jobs", *controller.client_args()).stdout
+
+
+def test_bad_join_requests(controller: Controller) -> None:
+    cases = [
+        (dict(world_size=0), "world size"),
+        (dict(world_size=33), "world size"),
+        (dict(ip="10.0.0.300"), "not an IPv4 address"),
+        (dict(rank=5), "outside 0..1"),
+        (dict(job_name=""), "job name"),
+    ]
+    for change, message in cases:
+        args = dict(job_name="bad", world_size=2, ip="127.0.0.1", udp_port=40003, rank=None) | change
+        with pytest.raises(jobclient.JobServiceError, match=message) as e:
+            jobclient.join(controller.address, SECRET, timeout=5, **args)  # type: ignore[arg-type]
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_heartbeat_teardown_and_counters(controller: Controller) -> None:
+    a = jobclient.join(controller.address, SECRET, "solo", 1, "127.0.0.1", 40004, timeout=10)
+    assert a.world_size == 1 and a.rank == 0 and a.generation > 0
+    assert jobclient.heartbeat(controller.address, SECRET, a) == a.generation
+    listing = controller.ctl("jobs", *controller.client_args()).stdout
+    assert "solo" in listing and f"{a.slot_base}..{a.slot_base + a.slot_count - 1}" in listing
+    counters = controller.ctl("counters", *controller.client_args(), "--watch", "0.1", "--count", "2").stdout
+    assert counters.count("[software]") == 2 and "bad_version" in counters
+    assert f"job {a.job_id}" not in controller.ctl("teardown", "solo", *controller.client_args()).stdout
+    with pytest.raises(jobclient.JobServiceError, match="no job") as e:
+        jobclient.heartbeat(controller.address, SECRET, a)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_silent_jobs_are_reaped(tmp_path: Path) -> None:
+    c = Controller(
+        tmp_path, ["--software", "--software-listen", "127.0.0.1:0", "--reap-timeout", "0.5"]
+    ).start()
+    try:
+        a = jobclient.join(c.address, SECRET, "quiet", 1, "127.0.0.1", 40005, timeout=10)
+        with jobclient.Heartbeat(c.address, SECRET, a, interval=0.1) as hb:
+            b = jobclient.join(c.address, SECRET, "dies", 1, "127.0.0.1", 40006, timeout=10)
+            # "dies" never heartbeats; wait (bounded) for the reaper while "quiet" keeps beating.
+            for _ in range(300):
+                if "dies" not in c.ctl("jobs", *c.client_args()).stdout:
+                    break
+            listing = c.ctl("jobs", *c.client_args()).stdout
+            assert "dies" not in listing and "quiet" in listing
+            assert hb.error is None
+        with pytest.raises(jobclient.JobServiceError, match="no job"):
+            jobclient.heartbeat(c.address, SECRET, b)
+    finally:
+        c.stop()
+
+
+def test_state_survives_a_controller_restart(tmp_path: Path) -> None:
+    udp = free_port()  # the restarted aggregator must listen where the workers were told to send
+    extra = ["--software", "--software-listen", f"127.0.0.1:{udp}"]
+    c = Controller(tmp_path, extra).start()
+    a = jobclient.join(c.address, SECRET, "durable", 1, "127.0.0.1", 40007, timeout=10)
+    port = int(c.address.rsplit(":", 1)[1])
+    c.stop()
+    c.start(port)
+    try:
+        assert "1 job(s) reloaded" in c.banner
+        listing = c.ctl("jobs", *c.client_args()).stdout
+        assert "durable" in listing and f"{a.slot_base}..{a.slot_base + a.slot_count - 1}" in listing
+        gen = jobclient.heartbeat(c.address, SECRET, a)
+        assert gen != a.generation  # reinstalled on a fresh aggregator: a new generation
+        # New jobs never get the reloaded job's id or slots.
+        b = jobclient.join(c.address, SECRET, "second", 1, "127.0.0.1", 40008, timeout=10)
+        assert b.job_id != a.job_id
+        assert b.slot_base >= a.slot_base + a.slot_count or b.slot_base + b.slot_count <= a.slot_base
+        assert jobclient.leave(c.address, SECRET, a) is True
+    finally:
+        c.stop()
+    c.start(port)
+    try:
+        assert "1 job(s) reloaded" in c.banner  # "durable" left for good; "second" remains
+    finally:
+        c.stop()

@@ -1,0 +1,113 @@
+"""Topology files: a good one parses, and every malformed one names the line and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from switchagg_controller.topology import TopologyError, load_topology, parse_topology
+
+GOOD = """\
+switch:
+  address: 127.0.0.1:9559
+  device_id: 0
+  election_id: [0, 5]
+aggregator:
+  ip: 10.0.0.254
+  mac: 02:00:00:00:00:FE
+hosts:
+  - name: h1
+    port: 1
+    mac: 02:00:00:00:00:01
+    ip: 10.0.0.1
+  - {name: h2, port: 2, mac: "12:34:56:00:00:02", ip: 10.0.0.2}
+"""
+
+
+def test_good_file(tmp_path: Path) -> None:
+    path = tmp_path / "topology.yaml"
+    path.write_text(GOOD)
+    t = load_topology(path)
+    assert t.switch_address == "127.0.0.1:9559" and t.device_id == 0 and t.election_id == (0, 5)
+    assert t.aggregator_mac == "02:00:00:00:00:fe" and t.udp_port == 48879 and t.cpu_port == 255
+    assert [(h.name, h.port, h.mac, h.ip) for h in t.hosts] == [
+        ("h1", 1, "02:00:00:00:00:01", "10.0.0.1"),
+        ("h2", 2, "12:34:56:00:00:02", "10.0.0.2"),  # not read as a YAML 1.1 base-60 number
+    ]
+    assert t.host_by_ip("10.0.0.2") is t.hosts[1]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("mac: 02:00:00:00:00:01", "mac: zz", "topology.yaml:11: hosts[0].mac: 'zz' is not a MAC address"),
+        (
+            "ip: 10.0.0.2}",
+            "ip: 10.0.0.256}",
+            "topology.yaml:13: hosts[1].ip: '10.0.0.256' is not an IPv4 address",
+        ),
+        ("port: 1\n", "port: 600\n", "topology.yaml:10: hosts[0].port: '600' is not an integer in 0..510"),
+        ("port: 1\n", "port: one\n", "topology.yaml:10: hosts[0].port: 'one' is not an integer"),
+        ("  device_id: 0\n", "", "topology.yaml:2: switch: missing field 'device_id'"),
+        (
+            "  device_id: 0\n",
+            "  device_id: 0\n  colour: red\n",
+            "topology.yaml:4: switch.colour: unknown field",
+        ),
+        (
+            "address: 127.0.0.1:9559",
+            "address: localhost",
+            "topology.yaml:2: switch.address: 'localhost' is not",
+        ),
+        (
+            "election_id: [0, 5]",
+            "election_id: [0, 0]",
+            "topology.yaml:4: switch.election_id: the election id must",
+        ),
+        (
+            "name: h2, port: 2",
+            "name: h2, port: 1",
+            "topology.yaml:13: hosts[1].port: 1 is already used by host 'h1'",
+        ),
+        (
+            "ip: 10.0.0.2}",
+            "ip: 10.0.0.1}",
+            "topology.yaml:13: hosts[1].ip: '10.0.0.1' is already used by host 'h1'",
+        ),
+        ("  ip: 10.0.0.254\n", "  ip: [1, 2]\n", "topology.yaml:6: aggregator.ip: expected a single value"),
+        ("  - {name", "  - {name: [", "topology.yaml:13: not valid YAML"),
+    ],
+)
+def test_malformed_files_name_line_and_field(old: str, new: str, message: str) -> None:
+    assert old in GOOD
+    with pytest.raises(TopologyError) as e:
+        parse_topology(GOOD.replace(old, new, 1), "topology.yaml")
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_empty_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="t.yaml:1: the file is empty"):
+        parse_topology("", "t.yaml")
+    with pytest.raises(TopologyError, match="t.yaml:1: missing field 'switch'"):
+        parse_topology("hosts: []\n", "t.yaml")
+    doc = "switch: {address: 'a:1', device_id: 0}\naggregator: {ip: 1.2.3.4, mac: '02:00:00:00:00:01'}\n"
+    doc += "hosts: 3\n"
+    with pytest.raises(TopologyError, match="t.yaml:3: hosts: expected a list"):
+        parse_topology(doc, "t.yaml")
+    with pytest.raises(TopologyError, match="cannot read the topology file"):
+        load_topology(tmp_path / "absent.yaml")
+
+
+def test_cli_reports_the_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "topology.yaml"
+    path.write_text(GOOD.replace("mac: 02:00:00:00:00:01", "mac: zz"))
+    r = subprocess.run(
+        [sys.executable, "-m", "switchagg_controller.cli", "push", "--topology", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "topology.yaml:11: hosts[0].mac: 'zz' is not a MAC address" in r.stderr

@@ -23,6 +23,8 @@ typedef struct {
     int phase;         /* SLOT_PRIME, SLOT_DATA or SLOT_DONE */
     uint64_t deadline; /* ns: retransmit when no result by then */
     uint64_t rto;      /* current retransmission timeout, ns */
+    uint64_t sent_at;  /* ns: first transmission of the outstanding packet */
+    int retried;       /* Karn: no RTT sample from a retransmitted packet */
 } slot_t;
 
 typedef struct {
@@ -41,6 +43,7 @@ typedef struct {
     size_t pkt_len;
     /* timers */
     uint64_t rto_ns, rto_max_ns, timeout_ns;
+    uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across allreduces */
     /* statistics */
     unsigned long long sent, retransmits, results, stale, allreduces, bytes;
 } Worker;
@@ -131,6 +134,7 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     w->rto_ns = (uint64_t)(rto * 1e9);
     w->rto_max_ns = (uint64_t)(rto_max * 1e9);
     w->timeout_ns = (uint64_t)(timeout * 1e9);
+    w->srtt_ns = w->rttvar_ns = 0;
     w->configured = 1;
     w->broken = 0;
     Py_RETURN_NONE;
@@ -222,6 +226,26 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
     return 0;
 }
 
+/* The configured RTO is a floor: a slot's round trip includes waiting for the slowest peer,
+ * so it varies far more than a network RTT and a TCP-style estimate fires spuriously. The
+ * smoothed estimate only raises the RTO, for data planes slower than the floor (bmv2). */
+static uint64_t current_rto(const Worker *w) {
+    uint64_t rto = w->srtt_ns + 4 * w->rttvar_ns;
+    if (rto < w->rto_ns) rto = w->rto_ns;
+    return rto < w->rto_max_ns ? rto : w->rto_max_ns;
+}
+
+static void rtt_sample(Worker *w, uint64_t rtt) {
+    if (w->srtt_ns == 0) {
+        w->srtt_ns = rtt;
+        w->rttvar_ns = rtt / 2;
+        return;
+    }
+    uint64_t dev = rtt > w->srtt_ns ? rtt - w->srtt_ns : w->srtt_ns - rtt;
+    w->rttvar_ns = (3 * w->rttvar_ns + dev) / 4;
+    w->srtt_ns = (7 * w->srtt_ns + rtt) / 8;
+}
+
 /* Advance slot i after its result arrived; returns 1 if a new packet is outstanding. */
 static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     Worker *w = r->w;
@@ -229,6 +253,7 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     const struct sa_header *h = (const struct sa_header *)pkt;
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
     int64_t c = s->chunk, next = c + w->slot_count;
+    if (!s->retried) rtt_sample(w, now - s->sent_at);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_PRIME) {
         r->exp_max[c] = h->exp;
@@ -248,8 +273,10 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
         }
         s->chunk = next;
     }
-    s->rto = w->rto_ns;
+    s->rto = current_rto(w);
     s->deadline = now + s->rto;
+    s->sent_at = now;
+    s->retried = 0;
     build_packet(r, i);
     return 1;
 }
@@ -302,8 +329,9 @@ static int run_allreduce(run_t *r) {
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;
         r->slots[i].phase = r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
-        r->slots[i].rto = w->rto_ns;
-        r->slots[i].deadline = now + w->rto_ns;
+        r->slots[i].rto = current_rto(w);
+        r->slots[i].deadline = now + r->slots[i].rto;
+        r->slots[i].sent_at = now;
         build_packet(r, i);
         queue[i] = i;
     }
@@ -311,7 +339,7 @@ static int run_allreduce(run_t *r) {
         free(queue);
         return RUN_OSERROR;
     }
-    uint64_t last_progress = now, next_scan = now + w->rto_ns;
+    uint64_t last_progress = now, next_scan = now + current_rto(w);
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     while (r->done < r->active) {
@@ -365,6 +393,7 @@ static int run_allreduce(run_t *r) {
                 if (s->deadline <= now) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
                     s->deadline = now + s->rto;
+                    s->retried = 1;
                     queue[nq++] = i;
                 }
                 if (s->deadline < soonest) soonest = s->deadline;

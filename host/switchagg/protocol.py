@@ -31,8 +31,8 @@ P4_K = 64  # elements per packet on the P4 switch (a compile-time constant there
 P4_NUM_SLOTS = 1024  # slots in the P4 switch's pool (each with two shadow sets)
 MAX_UDP_PAYLOAD = 65507
 MAX_K = (MAX_UDP_PAYLOAD - HEADER_LEN) // 4  # 16372: largest K in one datagram
-DEFAULT_SW_K = 8192  # software aggregator default: 32 KiB payloads make loopback fast
-DEFAULT_SW_SLOTS = 32  # slots (= packets in flight per worker) per job, software
+DEFAULT_SW_K = 16368  # software aggregator default: ~64 KiB datagrams, one skb each on loopback
+DEFAULT_SW_SLOTS = 16  # slots (= packets in flight per worker) per job, software
 
 # Drop reasons, in counter-index order (the P4 drop counter uses the same indices).
 DROP_REASONS = (

@@ -1,0 +1,50 @@
+"""Finding the P4 toolchain (p4c, simple_switch_grpc, simple_switch_CLI) and why a test must skip."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+EXTRA_BIN_DIRS = (Path("/opt/p4/bin"), Path("/usr/local/bin"))
+
+
+def find_tool(name: str) -> str | None:
+    """``$NAME`` (e.g. P4C, SIMPLE_SWITCH_GRPC), then PATH, then /opt/p4/bin."""
+    env = os.environ.get(name.upper())
+    if env:
+        return env if Path(env).is_file() else None
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in EXTRA_BIN_DIRS:
+        if (d / name).is_file():
+            return str(d / name)
+    return None
+
+
+def missing_for_switch() -> str | None:
+    """Why the bmv2 tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "bmv2 tests need root (network namespaces and veth pairs)"
+    for tool in ("ip", "nft", "ethtool"):
+        if shutil.which(tool) is None:
+            return f"bmv2 tests need `{tool}` on PATH (apt install iproute2 nftables ethtool)"
+    for tool in ("simple_switch_grpc", "simple_switch_CLI"):
+        if find_tool(tool) is None:
+            return f"bmv2 tests need {tool} (bmv2 with PI/gRPC) on PATH or in /opt/p4/bin"
+    return None
+
+
+def tool_env() -> dict[str, str]:
+    """The environment for toolchain processes: /opt/p4's libraries and Python modules if it exists."""
+    env = dict(os.environ)
+    lib = Path("/opt/p4/lib")
+    if lib.is_dir():
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(lib)
+        # simple_switch_CLI is a Python script importing bmv2's thrift bindings from there.
+        pys = sorted(lib.glob("python3*/site-packages")) + sorted(lib.glob("python3*/dist-packages"))
+        if pys:
+            extra = ":".join(str(p) for p in pys)
+            env["PYTHONPATH"] = f"{extra}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else extra
+    return env

@@ -1,0 +1,84 @@
+"""Fixtures of the bmv2 suite: one switch with six endpoint namespaces for the whole session.
+
+Every test installs the jobs it needs with ``apply`` (the desired state as a whole), so tests
+do not depend on each other; counters are compared as differences.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bmv2_tools import missing_for_switch  # noqa: E402
+
+ENDPOINTS = 6
+
+
+def _skip_reason() -> str | None:
+    reason = missing_for_switch()
+    if reason:
+        return reason
+    try:
+        import switchagg_controller.p4runtime_client  # noqa: F401
+    except ImportError as e:
+        return f"the P4Runtime client (switchagg_controller.p4runtime_client) is not importable: {e}"
+    try:
+        import scapy  # noqa: F401
+    except ImportError:
+        return "bmv2 tests need scapy (pip install scapy)"
+    from switchagg_controller import p4_program
+
+    if not p4_program.BMV2_JSON.exists() or not p4_program.P4INFO.exists():
+        return f"compiled P4 program missing ({p4_program.BMV2_JSON}); run `make -C p4`"
+    return None
+
+
+@pytest.fixture(scope="session")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from bmv2_testbed import Testbed
+
+    with Testbed(ENDPOINTS, tmp_path_factory.mktemp("bmv2")) as tb:
+        yield tb
+
+
+@pytest.fixture(scope="session")
+def switch(bed: Any) -> Iterator[Any]:
+    from switchagg_controller import p4_program
+    from switchagg_controller.p4runtime_client import SwitchConnection
+
+    conn = SwitchConnection(bed.grpc_address, bed.device_id)
+    conn.connect()
+    conn.set_pipeline(p4_program.BMV2_JSON, p4_program.P4INFO)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def wire(bed: Any, switch: Any) -> Iterator[Any]:
+    from bmv2_frames import Wire
+
+    w = Wire(bed.endpoints)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_loss(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Loss injected by a test never leaks into the next one."""
+    yield
+    if "bed" in request.fixturenames:
+        for e in request.getfixturevalue("bed").endpoints:
+            e.set_loss(0)

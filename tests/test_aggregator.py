@@ -234,6 +234,25 @@ def test_fault_injection_is_honoured_and_seeded(socks: list[socket.socket]) -> N
     assert other["faults"] != f
 
 
+def test_results_stay_intact_when_a_batch_fills_the_output_buffers(socks: list[socket.socket]) -> None:
+    """dup_in=1: each datagram completes a round and then asks again, two results each; waves of 48
+    datagrams make batches of up to 96 results, more than the 64 output buffers of one flush."""
+    k, waves, wave = 16, 4, 48
+    with SoftwareAggregator(dup_in=1.0) as a:
+        a.add_job(1, 1, 0, 1, k, 1, [socks[0].getsockname()])
+        for w in range(waves):
+            for i in range(w * wave, (w + 1) * wave):
+                socks[0].sendto(data(1, 0, 0, [i] * k, shadow=i % 2), a.address)
+            wait_rx(a, (w + 1) * wave)
+            for i in range(w * wave, (w + 1) * wave):
+                for _ in range(2):
+                    h = Header.unpack(socks[0].recv(65536))
+                    assert (h.shadow, h.values) == (i % 2, [i] * k)
+        c = a.counters()
+    assert c["jobs"][1] == {"aggregated": 192, "multicast": 192, "resent": 192, "retrans_ignored": 0}
+    assert c["tx"] == 384
+
+
 # ---- run / stop ----
 
 

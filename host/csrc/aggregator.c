@@ -134,11 +134,14 @@ static void flush_out(Aggregator *a) {
         }
     }
     a->n_out = 0;
-    a->n_payloads = 0;
 }
 
+/* Payload buffers are reused only after a flush, so no queued message points at a reused one. */
 static uint8_t *take_payload(Aggregator *a) {
-    if (a->n_payloads == OUT_PAYLOADS) flush_out(a);
+    if (a->n_payloads == OUT_PAYLOADS) {
+        flush_out(a);
+        a->n_payloads = 0;
+    }
     return a->out_payloads + (a->n_payloads++) * RX_BUF;
 }
 
@@ -154,7 +157,7 @@ static void queue_result(Aggregator *a, const struct sa_header *h, uint16_t rank
         copies = 2;
     }
     for (int c = 0; c < copies; c++) {
-        if (a->n_out == OUT_MSGS) flush_out(a); /* payload buffers stay valid: flush only resets counts */
+        if (a->n_out == OUT_MSGS) flush_out(a); /* keeps the payload buffers: more copies may follow */
         struct out_msg *o = &a->out[a->n_out++];
         o->head = *h;
         o->head.type = SA_MSG_RESULT;
@@ -299,9 +302,10 @@ static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
         return -1;
     }
-    self->jobs = calloc(NJOB_IDS, sizeof *self->jobs);
-    self->rx_bufs = malloc((size_t)BATCH * RX_BUF);
-    self->out_payloads = malloc((size_t)OUT_PAYLOADS * RX_BUF);
+    /* Kept if an earlier __init__ failed after allocating. */
+    if (self->jobs == NULL) self->jobs = calloc(NJOB_IDS, sizeof *self->jobs);
+    if (self->rx_bufs == NULL) self->rx_bufs = malloc((size_t)BATCH * RX_BUF);
+    if (self->out_payloads == NULL) self->out_payloads = malloc((size_t)OUT_PAYLOADS * RX_BUF);
     if (self->jobs == NULL || self->rx_bufs == NULL || self->out_payloads == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -580,6 +584,7 @@ static void serve_batch(Aggregator *a, int got) {
             process(a, a->rx_iov[i].iov_base, a->rx_msgs[i].msg_len, &a->rx_addr[i]);
     }
     flush_out(a);
+    a->n_payloads = 0;
     pthread_mutex_unlock(&a->lock);
 }
 

@@ -63,7 +63,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _switchagg_worker(rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any) -> None:
+def _switchagg_worker(
+    rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any
+) -> None:
     from switchagg import Session
 
     x = np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32)
@@ -156,20 +158,32 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"(a) quantize + dequantize, K={args.k}, against numpy copying the same buffer")
     quant = [bench_quantize(mb, 5, args.k) for mb in (4, 64)]
-    print(f"{'MB':>5} {'copy GB/s':>10} {'quant GB/s':>11} {'dequant GB/s':>13} {'q+dq GB/s':>10} {'ratio':>7}")
+    print(
+        f"{'MB':>5} {'copy GB/s':>10} {'quant GB/s':>11} {'dequant GB/s':>13} {'q+dq GB/s':>10} {'ratio':>7}"
+    )
     for r in quant:
         print(
             f"{r['mb']:>5} {r['copy_GBps']:>10.2f} {r['quantize_GBps']:>11.2f} {r['dequantize_GBps']:>13.2f} "
             f"{r['quant_dequant_GBps']:>10.2f} {r['ratio_to_copy']:>6.2f}x"
         )
-    print(f"\n(b, c) float32 allreduce, median of {args.reps}, K={args.k}, {args.slots} slots, {os.cpu_count()} cores")
-    print(f"{'n':>3} {'MB':>5} {'switchagg s':>12} {'gloo s':>8} {'speedup':>8} {'Mpkt/s':>7} {'payload Gbit/s':>15}")
+    print(
+        f"\n(b, c) float32 allreduce, median of {args.reps}, K={args.k}, {args.slots} slots, "
+        f"{os.cpu_count()} cores"
+    )
+    print(
+        f"{'n':>3} {'MB':>5} {'switchagg s':>12} {'gloo s':>8} {'speedup':>8} {'Mpkt/s':>7} "
+        f"{'payload Gbit/s':>15}"
+    )
     rows = []
     for n in workers:
         for mb in sizes:
             r = bench_allreduce(n, mb, args.reps, args.k, args.slots, not args.no_gloo)
             rows.append(r)
-            g = f"{r['gloo_s']:>8.3f} {r['speedup_vs_gloo']:>7.2f}x" if "gloo_s" in r else f"{'-':>8} {'-':>8}"
+            g = (
+                f"{r['gloo_s']:>8.3f} {r['speedup_vs_gloo']:>7.2f}x"
+                if "gloo_s" in r
+                else f"{'-':>8} {'-':>8}"
+            )
             print(
                 f"{n:>3} {mb:>5} {r['switchagg_s']:>12.3f} {g} {r['packets_per_s'] / 1e6:>7.3f} "
                 f"{r['payload_Gbps']:>15.2f}",

@@ -29,7 +29,12 @@ def run_workers(
         if cfg.get("victim") == rank:
             c["die_after"] = cfg["die_after_results"]
         procs.append(
-            subprocess.Popen([sys.executable, WORKER, json.dumps(c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, WORKER, json.dumps(c)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
     done = []
     for p in procs:
@@ -44,9 +49,9 @@ def results(tmp: Path, n: int, count: int) -> list[list[np.ndarray]]:
 
 
 def expected(n: int, dtype: str, size: int, seed: int) -> np.ndarray:
-    if dtype == "int32":
-        return sum(inputs(r, size, dtype, seed).astype(np.int64) for r in range(n)).astype(np.int32)
-    return sum(inputs(r, size, dtype, seed).astype(np.float64) for r in range(n))
+    wide = np.int64 if dtype == "int32" else np.float64
+    total = np.sum([inputs(r, size, dtype, seed).astype(wide) for r in range(n)], axis=0)
+    return total.astype(np.int32) if dtype == "int32" else total
 
 
 def float_bound(n: int, size: int, seed: int, k: int) -> np.ndarray:
@@ -82,7 +87,9 @@ def test_int32_exact_and_float32_within_bound(aggregator: SoftwareAggregator, tm
                 np.testing.assert_array_equal(got[rank][i], want)
             else:
                 err = np.abs(got[rank][i].astype(np.float64) - want)
-                assert np.all(err <= float_bound(n, size, i, k)), f"rank {rank} tensor {i}: max err {err.max()}"
+                assert np.all(err <= float_bound(n, size, i, k)), (
+                    f"rank {rank} tensor {i}: max err {err.max()}"
+                )
                 np.testing.assert_array_equal(got[rank][i], got[0][i])  # every rank gets the same bits
     c = aggregator.counters()
     assert sum(c["drops"].values()) == 0
@@ -123,12 +130,23 @@ def test_killed_worker_makes_the_others_fail_cleanly(aggregator: SoftwareAggrega
     n = 3
     aggregator.add_job(1, n, 0, 4, 64, 1)
     procs = run_workers(
-        aggregator, n, [("int32", 1_000_000)], tmp_path, k=64, slots=4, timeout=2.0, victim=1, die_after_results=20
+        aggregator,
+        n,
+        [("int32", 1_000_000)],
+        tmp_path,
+        k=64,
+        slots=4,
+        timeout=2.0,
+        victim=1,
+        die_after_results=20,
     )
     assert procs[1].returncode == -9  # SIGKILL, mid-allreduce
     for rank in (0, 2):
         assert procs[rank].returncode == 3, procs[rank].stderr
-        assert "SwitchaggTimeout" in procs[rank].stderr and "a peer worker or the aggregator is gone" in procs[rank].stderr
+        assert (
+            "SwitchaggTimeout" in procs[rank].stderr
+            and "a peer worker or the aggregator is gone" in procs[rank].stderr
+        )
     assert not (tmp_path / "rank0.npz").exists()
 
 

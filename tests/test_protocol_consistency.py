@@ -44,7 +44,9 @@ def test_c_drop_enum_order_matches_protocol_py() -> None:
 
 
 def test_header_layout_is_16_bytes_big_endian() -> None:
-    h = protocol.Header(job=0x0102, rank=3, slot=5, shadow=1, offset=0x0A0B0C0D, exp=-2, flags=1, values=[1, -1])
+    h = protocol.Header(
+        job=0x0102, rank=3, slot=5, shadow=1, offset=0x0A0B0C0D, exp=-2, flags=1, values=[1, -1]
+    )
     raw = h.pack()
     assert raw[:16] == bytes([1, 1, 1, 0xFE, 1, 2, 0, 3, 0x80, 5, 0, 2, 0x0A, 0x0B, 0x0C, 0x0D])
     assert raw[16:] == struct.pack("!ii", 1, -1)

@@ -40,7 +40,7 @@ def main() -> int:
         timeout=cfg.get("timeout", 10.0),
         rto=cfg.get("rto", 0.05),
     )
-    results = {}
+    results: dict[str, np.ndarray] = {}
     if cfg.get("die_after"):
 
         def assassin() -> None:  # bounded: gives up after 60 s
@@ -58,7 +58,8 @@ def main() -> int:
     except SwitchaggTimeout as e:
         print(f"SwitchaggTimeout: {e}", file=sys.stderr)
         return 3
-    np.savez(os.path.join(cfg["out"], f"rank{rank}.npz"), **results, stats=json.dumps(s.stats()))
+    results["stats"] = np.array(json.dumps(s.stats()))
+    np.savez(os.path.join(cfg["out"], f"rank{rank}.npz"), **results)  # type: ignore[arg-type]
     s.close()
     return 0
 

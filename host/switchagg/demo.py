@@ -26,7 +26,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> No
 
     xi, xf = _inputs(rank, args.size)
     try:
-        with Session(1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout) as s:
+        with Session(
+            1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout
+        ) as s:
             times = []
             for _ in range(args.iters):
                 yi, yf = xi.copy(), xf.copy()
@@ -34,8 +36,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> No
                 s.allreduce(yi)
                 s.allreduce(yf)
                 times.append(time.perf_counter() - t0)
-            exact_i = sum(_inputs(r, args.size)[0].astype(np.int64) for r in range(args.workers))
-            exact_f = sum(_inputs(r, args.size)[1].astype(np.float64) for r in range(args.workers))
+            exact_i = np.sum([_inputs(r, args.size)[0].astype(np.int64) for r in range(args.workers)], axis=0)
+            exact_f = np.sum(
+                [_inputs(r, args.size)[1].astype(np.float64) for r in range(args.workers)], axis=0
+            )
             int_ok = bool(np.array_equal(yi, exact_i.astype(np.int32)))
             err = float(np.max(np.abs(yf - exact_f)))
             peak = max(float(np.max(np.abs(_inputs(r, args.size)[1]))) for r in range(args.workers))
@@ -62,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     agg.add_job(1, args.workers, 0, args.slots, args.k, 1)
     agg.start()
     port = agg.address[1]
-    print(f"software aggregator on 127.0.0.1:{port}; {args.workers} workers, {args.size:,} elements, K={args.k}")
+    print(
+        f"software aggregator on 127.0.0.1:{port}; {args.workers} workers, {args.size:,} elements, K={args.k}"
+    )
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args, port, out)) for r in range(args.workers)]
     for proc in procs:
         proc.start()
-    results = []
+    results: list[tuple[int, bool, bool, float, float, dict[str, int], str]] = []
     deadline = time.monotonic() + args.timeout * (args.iters + 2) + 60
     while len(results) < args.workers and time.monotonic() < deadline:
         try:
@@ -92,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({2 * mb / best / 1e3:.2f} GB/s)  retransmits={stats.get('retransmits', 0)}"
         )
         print(f"rank {rank}: {'OK ' if good else 'BAD'} {line}")
-    print(f"aggregator: rx={c['rx']} tx={c['tx']} drops={sum(c['drops'].values())} faults={c.get('faults', {})}")
+    print(
+        f"aggregator: rx={c['rx']} tx={c['tx']} drops={sum(c['drops'].values())} faults={c.get('faults', {})}"
+    )
     print("demo", "passed" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -72,6 +72,7 @@ class Session:
         self.aggregator = aggregator
         self.slot_base, self.slot_count = slot_base, slot_count
         self.data_plane = "software"
+        self.assignment: Any = None  # the job service's answer, when joined through it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False

@@ -267,7 +267,9 @@ def _switch_counters(args: argparse.Namespace) -> str:
 
     topology = load_topology(args.topology)
     _, p4info = _p4_artifacts(args)
-    with SwitchConnection(topology.switch_address, topology.device_id, topology.election_id) as conn:
+    conn = SwitchConnection(topology.switch_address, topology.device_id, topology.election_id)
+    conn.connect(primary=False)  # reads only: the running controller stays primary
+    try:
         conn.load_p4info(p4info)
         drops = conn.read_counter(p4_program.DROP_COUNTER)
         lines = [
@@ -275,6 +277,8 @@ def _switch_counters(args: argparse.Namespace) -> str:
             + "  ".join(f"{n} {drops.get(i, (0, 0))[1]}" for i, n in enumerate(protocol.DROP_REASONS))
         ]
         per_job = {name: conn.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
+    finally:
+        conn.close()
     indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
     lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
     for i in indices:

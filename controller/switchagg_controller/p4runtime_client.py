@@ -80,8 +80,12 @@ class SwitchConnection:
 
     # -- connection ---------------------------------------------------------------------------
 
-    def connect(self) -> SwitchConnection:
-        """Opens the stream and becomes primary controller, or fails saying why."""
+    def connect(self, primary: bool = True) -> SwitchConnection:
+        """Opens the stream and becomes primary controller, or fails saying why.
+
+        ``primary=False`` only opens the channel: enough for reads (counters, entries), and it
+        leaves the running controller's mastership alone.
+        """
         self._channel = grpc.insecure_channel(self.address)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
@@ -89,6 +93,8 @@ class SwitchConnection:
             self.close()
             raise P4RuntimeError(f"no P4Runtime server answers at {self.address}") from None
         self._stub = p4runtime_pb2_grpc.P4RuntimeStub(self._channel)
+        if not primary:
+            return self
         self._stream = self._stub.StreamChannel(self._request_iter())
         self._reader = threading.Thread(target=self._read_stream, name="p4rt-stream", daemon=True)
         self._reader.start()

@@ -289,11 +289,14 @@ def parse_vector(data: Any, path: Path) -> Vector:
     counters = _check_keys(top.get("counters", {}), {"drops", "jobs"}, where + " counters")
     drops_in = _check_keys(counters.get("drops", {}), set(DROP_REASONS), where + " counters.drops")
     drops = {r: _int(drops_in, r, where + " counters.drops", 0, 2**63, 0) for r in DROP_REASONS}
+    installs = [j.id for j in initial] + [s.job.id for s in steps if isinstance(s, Install)]
     job_counters: dict[int, dict[str, int]] = {}
     for key, value in _check_keys(
         counters.get("jobs", {}), set(map(str, installed)), where + " counters.jobs"
     ).items():
         c = _check_keys(value, set(JOB_COUNTERS), f"{where} counters.jobs.{key}")
+        if installs.count(int(key)) != 1:
+            raise VectorError(f"{where}: counters of job {key}, which is installed more than once")
         job_counters[int(key)] = {
             n: _int(c, n, f"{where} counters.jobs.{key}", 0, 2**63, 0) for n in JOB_COUNTERS
         }

@@ -118,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         planes.append(holder[0])
         max_counter_index = p4_program.MAX_JOBS
     else:
-        max_counter_index = 0xFFFF
+        max_counter_index = 0
     if args.software or args.fallback:
         from switchagg.aggregator import SoftwareAggregator
 
@@ -139,6 +139,12 @@ def _serve(args: argparse.Namespace) -> int:
     reloaded = manager.reload()
     if supervisor is not None:
         supervisor.start()
+        # Joins that arrive before the switch is programmed would fail; wait for it (bounded).
+        if not supervisor.wait_ready(args.switch_wait):
+            print(
+                f"switchagg-ctl: warning: the switch is not ready yet ({supervisor.last_error})",
+                file=sys.stderr,
+            )
     server, port = make_server(manager, secret, args.listen)
     server.start()
     reaper = Reaper(manager).start()
@@ -324,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K on the software aggregator")
     p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")
     p.add_argument("--p4-slots", type=int, default=64, help="slots per P4 job")
+    p.add_argument("--switch-wait", type=float, default=30.0, help="seconds to wait for the switch at start")
     p.add_argument("--join-timeout", type=float, default=60.0, help="longest wait for a job's workers")
     p.add_argument("--reap-timeout", type=float, default=30.0, help="silence after which a job is reaped")
     p.set_defaults(func=_serve)

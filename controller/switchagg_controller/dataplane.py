@@ -30,7 +30,13 @@ class CounterValue:
 
 
 class DataPlaneError(Exception):
-    """A job cannot be placed on or installed on this data plane; the message says why."""
+    """A job cannot be placed on or installed on this data plane; the message says why.
+
+    ``unavailable``: the data plane is away right now (a retry later may succeed)."""
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class DataPlane(Protocol):
@@ -172,7 +178,12 @@ class P4DataPlane:
                     self._jobs.pop(job.job_id, None)
                 else:
                     self._jobs[job.job_id] = previous
-            raise DataPlaneError(f"installing job {job.job_id} on the P4 switch failed: {e}") from e
+            from switchagg_controller.supervisor import SwitchUnavailable
+
+            unavailable = isinstance(e, SwitchUnavailable)
+            raise DataPlaneError(
+                f"installing job {job.job_id} on the P4 switch failed: {e}", unavailable
+            ) from e
 
     def remove(self, job: Job) -> None:
         with self._lock:

@@ -245,6 +245,7 @@ class JobManager:
         free = iter(r for r in range(pending.world_size) if r not in taken)
         ranks = [m.requested_rank if m.requested_rank is not None else next(free) for m in pending.members]
         errors = []
+        unavailable = False
         for plane_name in self.order:
             plane = self.planes[plane_name]
             try:
@@ -277,6 +278,7 @@ class JobManager:
             except DataPlaneError as e:
                 self.allocator.release(placement)
                 errors.append(str(e))
+                unavailable = unavailable or e.unavailable
                 continue
             record = JobRecord(job, plane_name)
             self.store.save(record)
@@ -284,15 +286,16 @@ class JobManager:
             self._active[job.job_id] = _Active(record, {w.rank: now for w in workers})
             pending.job, pending.data_plane = job, plane_name
             return
-        pending.error = JobError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"job {pending.name!r} cannot be placed: " + "; ".join(errors)
-        )
+        code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
+        pending.error = JobError(code, f"job {pending.name!r} cannot be placed: " + "; ".join(errors))
 
     def _free_job_id(self) -> int:
         used = set(self._active)
         return next(i for i in range(1, MAX_JOB_ID + 1) if i not in used)
 
     def _free_counter_index(self, plane_name: str) -> int:
+        if plane_name != allocation.P4:
+            return 0  # only the P4 switch has per-job counter arrays
         used = {
             a.record.job.counter_index for a in self._active.values() if a.record.data_plane == plane_name
         }

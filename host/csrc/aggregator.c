@@ -387,7 +387,8 @@ static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, r);
         if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "si", &ip, &port)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "addrs[%u] must be an (ip: str, port: int) tuple, got %R", r, item);
+            PyErr_Format(PyExc_ValueError, "addrs[%u] must be an (ip: str, port: int) tuple, got %R", r,
+                         item);
             Py_DECREF(seq);
             return -1;
         }
@@ -409,21 +410,23 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs", NULL};
     long long job_id, n, base, count, k, gen;
     PyObject *addrs = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLL|O", kwlist, &job_id, &n, &base, &count, &k, &gen, &addrs))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLL|O", kwlist, &job_id, &n, &base, &count, &k, &gen,
+                                     &addrs))
         return NULL;
     if (check_open(self) < 0) return NULL;
     if (job_id < 0 || job_id >= NJOB_IDS)
         return PyErr_Format(PyExc_ValueError, "job_id must be in 0..65535, got %lld", job_id);
     if (n < 1 || n > SA_MAX_WORKERS)
         return PyErr_Format(PyExc_ValueError, "n (workers) must be in 1..%d, got %lld", SA_MAX_WORKERS, n);
-    if (k < 1 || k > SA_MAX_K) return PyErr_Format(PyExc_ValueError, "k must be in 1..%d, got %lld", SA_MAX_K, k);
+    if (k < 1 || k > SA_MAX_K)
+        return PyErr_Format(PyExc_ValueError, "k must be in 1..%d, got %lld", SA_MAX_K, k);
     if (count < 1 || base < 0 || base + count > NUM_SLOTS)
         return PyErr_Format(PyExc_ValueError,
                             "slot range [%lld, %lld) must be non-empty and inside the pool 0..%d", base,
                             base + count, NUM_SLOTS - 1);
     if (gen < 1 || gen > 65535)
-        return PyErr_Format(PyExc_ValueError, "generation must be in 1..65535 (0 means never installed), got %lld",
-                            gen);
+        return PyErr_Format(PyExc_ValueError,
+                            "generation must be in 1..65535 (0 means never installed), got %lld", gen);
     struct job *j = calloc(1, sizeof *j);
     if (j == NULL) return PyErr_NoMemory();
     j->id = (uint16_t)job_id;
@@ -468,8 +471,9 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     if (err != NULL) {
         job_free(j);
         if (err[0] == 'i') return PyErr_Format(PyExc_ValueError, "job id %lld is already installed", job_id);
-        return PyErr_Format(PyExc_ValueError, "slots [%lld, %lld) of job %lld overlap slots [%u, %u) of job %u",
-                            base, base + count, job_id, ob, ob + oc, oid);
+        return PyErr_Format(PyExc_ValueError,
+                            "slots [%lld, %lld) of job %lld overlap slots [%u, %u) of job %u", base,
+                            base + count, job_id, ob, ob + oc, oid);
     }
     Py_RETURN_NONE;
 }
@@ -597,8 +601,9 @@ static PyObject *Aggregator_run(Aggregator *self, PyObject *args, PyObject *kw) 
     if (timeout_obj != Py_None) {
         double t = PyFloat_AsDouble(timeout_obj);
         if (t == -1.0 && PyErr_Occurred()) return NULL;
-        if (!(t >= 0)) return PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, got %R", timeout_obj);
-        deadline = sa_now_ns() + (uint64_t)(t * 1e9);
+        if (!(t >= 0))
+            return PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, got %R", timeout_obj);
+        if (t < 1e9) deadline = sa_now_ns() + (uint64_t)(t * 1e9); /* longer: as good as forever */
     }
     int expected = 0;
     if (!atomic_compare_exchange_strong(&self->running, &expected, 1)) {
@@ -619,8 +624,8 @@ static PyObject *Aggregator_run(Aggregator *self, PyObject *args, PyObject *kw) 
             if (signalled) break;
             next_signal_check = now + POLL_MS * 1000000ull;
         }
-        uint64_t wait_ms = POLL_MS;
-        if (deadline != UINT64_MAX && (deadline - now) / 1000000ull < wait_ms) wait_ms = (deadline - now) / 1000000ull + 1;
+        uint64_t wait_ms = POLL_MS, left_ms = (deadline - now) / 1000000ull;
+        if (left_ms < wait_ms) wait_ms = left_ms + 1;
         struct pollfd pfd = {.fd = self->fd, .events = POLLIN};
         int pr = poll(&pfd, 1, (int)wait_ms);
         if (pr < 0) {
@@ -663,7 +668,8 @@ static PyObject *Aggregator_stop(Aggregator *self, PyObject *unused) {
 
 static PyObject *Aggregator_close(Aggregator *self, PyObject *unused) {
     if (atomic_load(&self->running)) {
-        PyErr_SetString(PyExc_RuntimeError, "stop() the aggregator and wait for run() to return before close()");
+        PyErr_SetString(PyExc_RuntimeError,
+                        "stop() the aggregator and wait for run() to return before close()");
         return NULL;
     }
     if (self->fd >= 0) close(self->fd);
@@ -672,7 +678,9 @@ static PyObject *Aggregator_close(Aggregator *self, PyObject *unused) {
 }
 
 static PyObject *Aggregator_get_port(Aggregator *self, void *closure) { return PyLong_FromLong(self->port); }
-static PyObject *Aggregator_get_host(Aggregator *self, void *closure) { return PyUnicode_FromString(self->host); }
+static PyObject *Aggregator_get_host(Aggregator *self, void *closure) {
+    return PyUnicode_FromString(self->host);
+}
 static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
     return PyBool_FromLong(atomic_load(&self->running));
 }
@@ -700,7 +708,8 @@ static PyTypeObject AggregatorType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "switchagg._core.Aggregator",
     .tp_basicsize = sizeof(Aggregator),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Aggregator(host='127.0.0.1', port=0, drop_in=0.0, dup_in=0.0, drop_out=0.0, dup_out=0.0, seed=1)\n"
+    .tp_doc = "Aggregator(host='127.0.0.1', port=0, drop_in=0.0, dup_in=0.0, drop_out=0.0, dup_out=0.0, "
+              "seed=1)\n"
               "The software aggregator of docs/PROTOCOL.md on one UDP socket.",
     .tp_new = Aggregator_new,
     .tp_init = (initproc)Aggregator_init,

@@ -1,0 +1,148 @@
+"""The "switchagg" torch backend and DDP hook, in real worker processes over real UDP and gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+WORKER = str(Path(__file__).parent / "torch_backend_worker.py")
+HANG_GUARD = 180  # seconds; only there so that a hang fails instead of blocking CI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def launch(scenario: str, n: int, out: Path, **env: str) -> list[subprocess.Popen[str]]:
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+    base.pop("SWITCHAGG_JOB_SERVICE", None)  # these tests use the embedded aggregator
+    base.update(OMP_NUM_THREADS="1", **env)
+    return [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(out)],
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    done = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=HANG_GUARD)
+        except subprocess.TimeoutExpired:
+            stacks = []
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            for q in procs:
+                q.kill()
+                stacks.append(q.communicate()[1][-4000:])
+            pytest.fail("workers hung; their stacks:\n" + "\n----\n".join(stacks))
+        done.append((p.returncode, err))
+    return done
+
+
+def read(out: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((out / f"rank{rank}.json").read_text())
+    return result
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    n = 3
+    out = tmp_path_factory.mktemp("collectives")
+    for rank, (code, err) in enumerate(finish(launch("collectives", n, out))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [read(out, r) for r in range(n)]
+
+
+def test_is_the_switchagg_group(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["type"] == "ProcessGroupSwitchagg"
+        assert r["backend_name"] == "switchagg"
+
+
+def test_int32_sum_is_exact(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["int32_equal_exact"] and r["int32_equal_gloo"]
+
+
+def test_float32_sum_within_error_bound(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["float32_differs_from_input"]
+        assert r["float32_within_bound_exact"], r["float32_max_rel_err"]
+        assert r["float32_within_bound_gloo"]
+
+
+def test_sums_go_through_the_network(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["list_ok"] and r["async_ok"]
+        assert r["network_allreduces"] == 3  # int32, float32, one coalesced list
+
+
+def test_other_ops_and_dtypes_are_delegated(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["max_ok"] and r["float64_ok"]
+        assert r["delegated_network_allreduces"] == 0
+
+
+def test_delegated_collectives(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["broadcast_ok"] and r["allgather_ok"] and r["allgather_object_ok"] and r["barrier_ok"]
+
+
+def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["ddp_grads_nonzero"]
+        # One bucket in the first backward, two in the second, all through switchagg.
+        assert r["ddp_backend_network_allreduces"] >= 3
+        assert r["ddp_hook_network_allreduces"] >= 3
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"]
+        assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
+
+
+def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
+    n = 3
+    timeout = 2.0
+    procs = launch("killed_peer", n, tmp_path, SWITCHAGG_TIMEOUT=str(timeout))
+    deadline = time.monotonic() + HANG_GUARD
+    while not all((tmp_path / f"ready{r}").exists() for r in range(n)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(
+                "workers did not reach the first allreduce: " + (procs[0].communicate()[1] or "")[-2000:]
+            )
+        time.sleep(0.05)
+    victim = procs[-1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=HANG_GUARD)
+    (tmp_path / "go").write_text("")
+    results = finish(procs[:-1])
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+        r = read(tmp_path, rank)
+        assert r["first_ok"]
+        assert r["error"] == "SwitchaggTimeout", r
+        assert r["is_switchagg_error"]
+        assert r["seconds"] >= timeout * 0.5  # it waited for the peer rather than failing at once

@@ -1,0 +1,235 @@
+"""One rank of a torch.distributed job on the "switchagg" backend, for tests/test_torch_backend.py.
+
+    python torch_backend_worker.py SCENARIO OUT_DIR     (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+
+Each rank writes OUT_DIR/rankR.json with what it observed; the test does the asserting.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import switchagg
+import switchagg.torch as satorch
+from switchagg import protocol
+
+K = protocol.DEFAULT_SW_K
+CAP_MB = 0.25  # DDP bucket cap: two buckets from the second backward on, two works in flight
+
+
+def rank_input(rank: int, size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rank r's input; every rank can rebuild every other rank's, for the exact reference."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype == torch.int32:
+        return torch.randint(-(2**20), 2**20, (size,), generator=g, dtype=torch.int32)
+    # Magnitudes spread over many binades so blocks get different exponents.
+    scale = torch.pow(2.0, torch.randint(-12, 12, (size,), generator=g).float())
+    return (torch.randn(size, generator=g) * scale).float()
+
+
+def float_bound(n: int, size: int, seed: int) -> np.ndarray:
+    """protocol.error_bound per element: E is the block's max exponent over all ranks."""
+    peak = np.max([rank_input(r, size, torch.float32, seed).abs().numpy() for r in range(n)], axis=0)
+    blocks = math.ceil(size / K)
+    padded = np.zeros(blocks * K, np.float32)
+    padded[:size] = peak
+    exps = np.frexp(padded.reshape(blocks, K).max(axis=1))[1]
+    return np.repeat([protocol.error_bound(n, int(e)) for e in exps], K)[:size]
+
+
+def network_allreduces(pg: Any) -> int:
+    return int(pg.data_plane.session.stats()["allreduces"])
+
+
+def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    gloo = pg.gloo
+    out: dict[str, Any] = {}
+    before = network_allreduces(pg)
+
+    size = 3 * K + 17  # several chunks and a padded last one
+    t = rank_input(rank, size, torch.int32, 1)
+    ref = t.clone()
+    dist.all_reduce(t)
+    gloo.allreduce([ref]).wait()
+    exact = torch.stack([rank_input(r, size, torch.int32, 1).long() for r in range(n)]).sum(0).int()
+    out["int32_equal_gloo"] = bool(torch.equal(t, ref))
+    out["int32_equal_exact"] = bool(torch.equal(t, exact))
+
+    f = rank_input(rank, size, torch.float32, 2)
+    fref = f.clone()
+    dist.all_reduce(f)
+    gloo.allreduce([fref]).wait()
+    exact64 = torch.stack([rank_input(r, size, torch.float32, 2).double() for r in range(n)]).sum(0).numpy()
+    bound = float_bound(n, size, 2)
+    # gloo's own float32 sum is off the exact one by a few ulps of the block maximum.
+    out["float32_within_bound_exact"] = bool(np.all(np.abs(f.numpy() - exact64) <= bound))
+    out["float32_within_bound_gloo"] = bool(np.all(np.abs(f.numpy() - fref.numpy()) <= 2 * bound))
+    out["float32_max_rel_err"] = float(np.max(np.abs(f.numpy() - exact64) / bound))
+    out["float32_differs_from_input"] = not bool(torch.equal(f, rank_input(rank, size, torch.float32, 2)))
+
+    # A list with a non-contiguous member is coalesced into one network allreduce.
+    a = torch.full((4, 3), float(rank + 1)).t()
+    b = torch.full((5,), float(10 * (rank + 1)))
+    pg.allreduce([a, b]).wait()
+    tri = n * (n + 1) / 2
+    out["list_ok"] = bool(
+        torch.equal(a, torch.full((3, 4), tri)) and torch.equal(b, torch.full((5,), 10 * tri))
+    )
+    out["network_allreduces"] = network_allreduces(pg) - before
+
+    # Async: the work's future completes from the session thread.
+    c = torch.full((100,), float(rank))
+    work = dist.all_reduce(c, async_op=True)
+    assert work is not None
+    value = work.get_future().wait()
+    out["async_ok"] = bool(torch.equal(value[0], torch.full((100,), tri - n)))
+    return out
+
+
+def check_delegated(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    before = network_allreduces(pg)
+    m = torch.tensor([rank, -rank], dtype=torch.int32)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out["max_ok"] = m.tolist() == [n - 1, 0]
+    d = torch.full((3,), 0.25 * rank, dtype=torch.float64)
+    dist.all_reduce(d)
+    out["float64_ok"] = d.tolist() == [0.25 * (n * (n - 1) / 2)] * 3
+    out["delegated_network_allreduces"] = network_allreduces(pg) - before
+
+    bc = torch.full((6,), float(rank))
+    dist.broadcast(bc, src=n - 1)
+    out["broadcast_ok"] = bool(torch.equal(bc, torch.full((6,), float(n - 1))))
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(gathered, torch.tensor([rank, rank * rank]))
+    out["allgather_ok"] = [g.tolist() for g in gathered] == [[r, r * r] for r in range(n)]
+    objs: list[Any] = [None] * n
+    dist.all_gather_object(objs, {"rank": rank})
+    out["allgather_object_ok"] = objs == [{"rank": r} for r in range(n)]
+    dist.barrier()
+    out["barrier_ok"] = True
+    out["backend_name"] = dist.get_backend()
+    return out
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 1.5 MB of parameters: more than DDP's 1 MB first bucket, so a small cap splits them.
+    layers = [torch.nn.Linear(32, 512), torch.nn.Tanh(), torch.nn.Linear(512, 700), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(700, 7))
+
+
+def grads(ddp: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    # Twice: DDP puts everything in one bucket on the first backward and rebuilds buckets to
+    # bucket_cap_mb after it; the weights do not change, so both passes give the same gradients.
+    for _ in range(2):
+        ddp.zero_grad()
+        ddp(x).pow(2).sum().backward()
+    return [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
+
+
+def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    """DDP on the switchagg group and with the hook on a gloo group, against DDP on gloo."""
+    gloo_group = dist.new_group(backend="gloo")
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    reference = grads(DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB), x)
+
+    # Bound on |network - gloo| for the averaged gradients: E from the largest local value.
+    local = grads(make_model(), x)
+    peak = torch.tensor([max(g.abs().max().item() for g in local)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=gloo_group)
+    e = math.frexp(peak.item())[1]
+    bound = 2 * protocol.error_bound(n, e)  # the sum's bound, plus gloo's own rounding
+
+    before = network_allreduces(pg)
+    backend = grads(DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB), x)
+    backend_calls = network_allreduces(pg) - before
+
+    state = satorch.SwitchaggHookState(gloo_group)
+    hooked = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
+    hooked.register_comm_hook(state, satorch.allreduce_hook)
+    hooked_grads = grads(hooked, x)
+    hook_calls = int(state.plane.session.stats()["allreduces"]) if state.plane else 0
+    state.close()
+
+    def max_diff(gs: list[torch.Tensor]) -> float:
+        return max((a - b).abs().max().item() for a, b in zip(gs, reference, strict=True))
+
+    return {
+        "ddp_backend_max_diff": max_diff(backend),
+        "ddp_hook_max_diff": max_diff(hooked_grads),
+        "ddp_bound": bound,
+        "ddp_backend_network_allreduces": backend_calls,
+        "ddp_hook_network_allreduces": hook_calls,
+        "ddp_grads_nonzero": bool(max(g.abs().max().item() for g in reference) > 0),
+    }
+
+
+def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
+    dist.init_process_group("switchagg")
+    pg = dist.group.WORLD
+    result = {"type": type(pg).__name__}
+    result.update(check_sums(pg, rank, n))
+    result.update(check_delegated(pg, rank, n))
+    result.update(check_ddp(pg, rank, n))
+    dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
+    """The last rank parks after one allreduce; the test SIGKILLs it, then the others try again."""
+    dist.init_process_group("switchagg")
+    t = torch.ones(K + 5)
+    dist.all_reduce(t)
+    (out_dir / f"ready{rank}").write_text(str(os.getpid()))
+    go = out_dir / "go"
+    deadline = time.monotonic() + 60
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("no go signal from the test")
+        time.sleep(0.05)
+    if rank == n - 1:
+        return  # not reached: the test killed this rank before writing "go"
+    result: dict[str, Any] = {"first_ok": bool(torch.equal(t, torch.full((K + 5,), float(n))))}
+    start = time.monotonic()
+    try:
+        work = dist.all_reduce(torch.ones(K + 5), async_op=True)
+        assert work is not None
+        work.wait()
+        result["error"] = None
+    except Exception as e:  # the session's timeout reaches the caller through the Work
+        result["error"] = type(e).__name__
+        result["message"] = str(e)
+        result["is_switchagg_error"] = isinstance(e, switchagg.SwitchaggError)
+    result["seconds"] = time.monotonic() - start
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {"collectives": scenario_collectives, "killed_peer": scenario_killed_peer}
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test asks for stacks before killing a hung worker
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    SCENARIOS[scenario](rank, n, out_dir)
+    sys.stdout.flush()
+    # Skip interpreter teardown: with a dead peer gloo's destructors may wait on it.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

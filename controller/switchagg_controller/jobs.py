@@ -21,7 +21,7 @@ from switchagg import protocol
 from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
 from switchagg_controller.dataplane import DataPlane, DataPlaneError
-from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.model import Job
 from switchagg_controller.store import JobRecord, Store
 
 MAX_JOB_ID = 0xFFFF
@@ -70,6 +70,7 @@ class _Pending:
 class _Active:
     record: JobRecord
     last_seen: dict[int, float]  # rank -> clock() of its last sign of life
+    activity: int | None = None  # the job's data plane counters at the last reaper look
 
 
 @dataclass(frozen=True)
@@ -355,20 +356,46 @@ class JobManager:
         self.allocator.release(Placement(active.record.data_plane, job.slot_base, job.slot_count))
 
     def reap(self) -> list[int]:
-        """Removes jobs with a worker silent for longer than the reap timeout; returns their ids."""
+        """Removes jobs with a worker silent for longer than the reap timeout; returns their ids.
+
+        Aggregation traffic counts as a sign of life too: a job whose data plane counters moved
+        since the last look is kept, so workers that never heartbeat are not reaped mid-training.
+        """
         now = self.clock()
+        with self._cond:
+            candidates = [
+                (job_id, a.record)
+                for job_id, a in self._active.items()
+                if any(
+                    r not in a.record.left and now - seen > self.reap_timeout
+                    for r, seen in a.last_seen.items()
+                )
+            ]
+        # Counters are read without the lock: a switch read may take a while.
+        activity = {job_id: self._activity(record) for job_id, record in candidates}
         reaped = []
         with self._cond:
-            for job_id, active in list(self._active.items()):
-                silent = [
-                    r
-                    for r, seen in active.last_seen.items()
-                    if r not in active.record.left and now - seen > self.reap_timeout
-                ]
-                if silent:
-                    self._remove(active)
-                    reaped.append(job_id)
+            for job_id, record in candidates:
+                active = self._active.get(job_id)
+                if active is None or active.record is not record:
+                    continue
+                baseline, active.activity = active.activity, activity[job_id]
+                if activity[job_id] is not None and baseline is None:
+                    continue  # first look: keep it until the next look can tell whether traffic moved
+                if activity[job_id] is not None and activity[job_id] != baseline:
+                    active.last_seen = dict.fromkeys(active.last_seen, self.clock())
+                    continue
+                self._remove(active)
+                reaped.append(job_id)
         return reaped
+
+    def _activity(self, record: JobRecord) -> int | None:
+        """A number that changes when the job's packets are aggregated (None: unknown)."""
+        try:
+            counters = self.planes[record.data_plane].counters()
+        except Exception:  # an unreadable data plane is no evidence of life
+            return None
+        return sum(c.packets for c in counters if c.scope == "job" and c.index == record.job.job_id)
 
     def bump_generations(self, plane_name: str) -> list[Job]:
         """New generations for every job on a data plane (it restarted: its slot state is gone)."""
@@ -416,7 +443,3 @@ class JobManager:
                 for p in self._pending.values()
             ]
             return views
-
-
-def worker_addrs(job: Job) -> list[WorkerAddr]:
-    return sorted(job.workers, key=lambda w: w.rank)

@@ -55,9 +55,10 @@ class Controller:
         self.address = ""
         self.banner = ""
 
-    def start(self, port: int = 0) -> Controller:
+    def start(self, port: int = 0, listen: str | None = None) -> Controller:
         cmd = [
-            sys.executable, "-m", "switchagg_controller.cli", "serve", "--listen", f"127.0.0.1:{port}",
+            sys.executable, "-m", "switchagg_controller.cli", "serve",
+            "--listen", listen or f"127.0.0.1:{port}",
             "--secret-file", str(self.secret_file), "--state", str(self.state), *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -58,7 +58,7 @@ def test_good_file(tmp_path: Path) -> None:
         (
             "address: 127.0.0.1:9559",
             "address: localhost",
-            "topology.yaml:2: switch.address: 'localhost' is not",
+            "topology.yaml:2: switch.address: 'localhost' is not a host:port or unix:/path address",
         ),
         (
             "election_id: [0, 5]",

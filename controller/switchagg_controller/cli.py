@@ -148,9 +148,9 @@ def _serve(args: argparse.Namespace) -> int:
     server, port = make_server(manager, secret, args.listen)
     server.start()
     reaper = Reaper(manager).start()
-    host = args.listen.rpartition(":")[0]
+    listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
     agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-    print(f"switchagg-ctl: job service on {host}:{port};{agg} {len(reloaded)} job(s) reloaded", flush=True)
+    print(f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded", flush=True)
 
     done = threading.Event()
 
@@ -316,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the job service and program the data plane")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="job service address (default %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="job service address, host:port or unix:/path (default %(default)s)",
+    )
     _add_secret(p)
     p.add_argument("--state", default="switchagg-ctl.db", help="SQLite state file (default %(default)s)")
     p.add_argument("--topology", help="topology YAML of the P4 switch")

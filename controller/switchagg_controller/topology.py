@@ -97,9 +97,11 @@ class _Node:
 
 def _switch_address(node: _Node) -> str:
     value = node.text()
+    if value.startswith("unix:") and len(value) > len("unix:"):
+        return value  # a Unix socket path (gRPC's "unix:/path" form)
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise node.fail(f"{value!r} is not a host:port address")
+        raise node.fail(f"{value!r} is not a host:port or unix:/path address")
     return value
 
 

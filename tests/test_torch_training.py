@@ -1,0 +1,69 @@
+"""A real DDP training run under torchrun: switchagg reaches gloo's accuracy at the same seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
+EPOCHS = 5
+WORLD = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def train(backend: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{backend}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(EXAMPLE),
+        "--backend",
+        backend,
+        "--epochs",
+        str(EPOCHS),
+        "--json",
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("SWITCHAGG_JOB_SERVICE", None)
+    # The timeout only turns a hang into a failure; it is no performance assertion.
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"[{backend}] epoch   {EPOCHS}" in proc.stdout
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["backend"] == backend and result["world_size"] == WORLD
+    assert len(result["history"]) == EPOCHS
+    return result
+
+
+def test_switchagg_training_matches_gloo(tmp_path: Path) -> None:
+    gloo = train("gloo", tmp_path)["history"]
+    net = train("switchagg", tmp_path)["history"]
+    assert gloo[-1]["accuracy"] > 0.85  # it really learnt (chance is 0.1)
+    assert abs(net[-1]["accuracy"] - gloo[-1]["accuracy"]) <= 0.005
+    assert net[-1]["loss"] < net[0]["loss"]
+    for a, b in zip(gloo, net, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * max(1.0, a["loss"])

@@ -160,3 +160,26 @@ def test_state_survives_a_controller_restart(tmp_path: Path) -> None:
         assert "1 job(s) reloaded" in c.banner  # "durable" left for good; "second" remains
     finally:
         c.stop()
+
+
+def test_a_worker_that_gives_up_waiting_is_forgotten(controller: Controller) -> None:
+    from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+    request = jobs_pb2.JoinRequest(
+        secret=SECRET,
+        job_name="impatient",
+        world_size=2,
+        ip="127.0.0.1",
+        udp_port=40009,
+        rank=-1,
+        timeout_s=60,
+    )
+    with grpc.insecure_channel(controller.address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            jobs_pb2_grpc.JobServiceStub(channel).Join(request, timeout=1.0)  # the client's own deadline
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The service notices the cancelled call (bounded wait) and drops the waiting member.
+    for _ in range(300):
+        if "impatient" not in controller.ctl("jobs", *controller.client_args()).stdout:
+            break
+    assert "impatient" not in controller.ctl("jobs", *controller.client_args()).stdout

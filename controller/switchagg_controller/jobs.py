@@ -380,9 +380,11 @@ class JobManager:
                 if active is None or active.record is not record:
                     continue
                 baseline, active.activity = active.activity, activity[job_id]
-                if activity[job_id] is not None and baseline is None:
-                    continue  # first look: keep it until the next look can tell whether traffic moved
-                if activity[job_id] is not None and activity[job_id] != baseline:
+                if activity[job_id] is None or baseline is None:
+                    # Unknown (data plane unreadable, e.g. the switch restarting) or a first look:
+                    # keep the job until a later look can tell whether its traffic moved.
+                    continue
+                if activity[job_id] != baseline:
                     active.last_seen = dict.fromkeys(active.last_seen, self.clock())
                     continue
                 self._remove(active)
@@ -393,7 +395,7 @@ class JobManager:
         """A number that changes when the job's packets are aggregated (None: unknown)."""
         try:
             counters = self.planes[record.data_plane].counters()
-        except Exception:  # an unreadable data plane is no evidence of life
+        except Exception:  # unreadable right now: no evidence either way
             return None
         return sum(c.packets for c in counters if c.scope == "job" and c.index == record.job.job_id)
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -121,7 +122,7 @@ def topology_yaml(address: str, hosts: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     """Polls ``predicate`` (bounded); the timeout only guards against a hang."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

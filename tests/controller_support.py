@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 SECRET = "s3cret-for-tests"
 
@@ -129,7 +130,7 @@ def start_workers(
     ]
 
 
-def collect(procs: list[subprocess.Popen[str]], timeout: float = 120.0) -> list[dict[str, object]]:
+def collect(procs: list[subprocess.Popen[str]], timeout: float = 120.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     results = []
     for p in procs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -85,7 +86,7 @@ def test_join_times_out_with_a_clear_error(controller: Controller) -> None:
 
 
 def test_bad_join_requests(controller: Controller) -> None:
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         (dict(world_size=0), "world size"),
         (dict(world_size=33), "world size"),
         (dict(ip="10.0.0.300"), "not an IPv4 address"),
@@ -93,9 +94,10 @@ def test_bad_join_requests(controller: Controller) -> None:
         (dict(job_name=""), "job name"),
     ]
     for change, message in cases:
-        args = dict(job_name="bad", world_size=2, ip="127.0.0.1", udp_port=40003, rank=None) | change
+        args: dict[str, Any] = dict(job_name="bad", world_size=2, ip="127.0.0.1", udp_port=40003, rank=None)
+        args.update(change)
         with pytest.raises(jobclient.JobServiceError, match=message) as e:
-            jobclient.join(controller.address, SECRET, timeout=5, **args)  # type: ignore[arg-type]
+            jobclient.join(controller.address, SECRET, timeout=5, **args)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -111,3 +111,9 @@ def test_cli_reports_the_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1
     assert "topology.yaml:11: hosts[0].mac: 'zz' is not a MAC address" in r.stderr
+
+
+def test_the_example_topology_parses() -> None:
+    example = Path(__file__).resolve().parents[1] / "controller" / "topology.example.yaml"
+    t = load_topology(example)
+    assert [h.name for h in t.hosts] == ["h1", "h2"] and t.election_id == (0, 1)

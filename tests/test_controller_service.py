@@ -90,6 +90,7 @@ def test_bad_join_requests(controller: Controller) -> None:
         (dict(world_size=0), "world size"),
         (dict(world_size=33), "world size"),
         (dict(ip="10.0.0.300"), "not an IPv4 address"),
+        (dict(ip="0.0.0.0"), "join with the worker's own address"),
         (dict(rank=5), "outside 0..1"),
         (dict(job_name=""), "job name"),
     ]

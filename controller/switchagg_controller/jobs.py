@@ -214,9 +214,11 @@ class JobManager:
         if not 1 <= world_size <= protocol.MAX_WORKERS:
             raise JobError(bad, f"world size must be 1..{protocol.MAX_WORKERS}, not {world_size}")
         try:
-            ipaddress.IPv4Address(ip)
+            addr = ipaddress.IPv4Address(ip)
         except ValueError:
             raise JobError(bad, f"{ip!r} is not an IPv4 address") from None
+        if addr.is_unspecified or addr.is_multicast or ip == "255.255.255.255":
+            raise JobError(bad, f"{ip} cannot receive results: join with the worker's own address")
         if not 1 <= udp_port <= 65535:
             raise JobError(bad, f"UDP port must be 1..65535, not {udp_port}")
         if rank is not None and not 0 <= rank < world_size:

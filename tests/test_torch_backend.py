@@ -121,6 +121,32 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
         assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
 
 
+def test_job_service_data_plane(tmp_path: Path) -> None:
+    pytest.importorskip("grpc")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from controller_support import Controller
+
+    n = 2
+    controller = Controller(tmp_path, ["--software", "--software-listen", "127.0.0.1:0"]).start()
+    try:
+        env = {
+            "SWITCHAGG_JOB_SERVICE": controller.address,
+            "SWITCHAGG_SECRET_FILE": str(controller.secret_file),
+        }
+        procs = launch("job_service", n, tmp_path, **env)
+        for rank, (code, err) in enumerate(finish(procs)):
+            assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+        results = [read(tmp_path, r) for r in range(n)]
+        jobs_after = controller.ctl("jobs", *controller.client_args()).stdout
+    finally:
+        controller.stop()
+    for rank, r in enumerate(results):
+        assert r["int32_equal_exact"] and r["network_allreduces"] == 1
+        assert not r["embedded_aggregator"] and r["data_plane"] == "software"
+        assert r["rank"] == rank and r["job_id"] == results[0]["job_id"]
+    assert "torch-127.0.0.1" not in jobs_after  # both ranks left the job on close
+
+
 def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
     n = 3
     timeout = 2.0

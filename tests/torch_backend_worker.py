@@ -218,7 +218,33 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"collectives": scenario_collectives, "killed_peer": scenario_killed_peer}
+def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
+    """SWITCHAGG_JOB_SERVICE is set: the ranks join through the controller, no embedded aggregator."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    plane = pg.data_plane
+    t = rank_input(rank, 2 * K + 3, torch.int32, 3)
+    dist.all_reduce(t)
+    exact = torch.stack([rank_input(r, 2 * K + 3, torch.int32, 3).long() for r in range(n)]).sum(0).int()
+    result = {
+        "int32_equal_exact": bool(torch.equal(t, exact)),
+        "network_allreduces": network_allreduces(pg),
+        "embedded_aggregator": plane.aggregator is not None,
+        "data_plane": plane.session.data_plane,
+        "job_id": plane.session.assignment.job_id,
+        "rank": plane.session.assignment.rank,
+    }
+    dist.barrier()
+    pg.close()  # leaves the job
+    dist.barrier()  # gloo still works after the network side is closed
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+SCENARIOS = {
+    "collectives": scenario_collectives,
+    "killed_peer": scenario_killed_peer,
+    "job_service": scenario_job_service,
+}
 
 
 def main() -> None:

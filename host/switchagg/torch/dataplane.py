@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from switchagg import protocol
 
 if TYPE_CHECKING:
+    from switchagg import jobclient
     from switchagg.aggregator import SoftwareAggregator
     from switchagg.session import Session
 
@@ -24,13 +25,27 @@ Share = Callable[[str | None], str]
 
 @dataclass
 class DataPlane:
-    """One rank's Session, and the aggregator this rank runs (embedded mode, rank 0) or None."""
+    """One rank's Session, plus what keeps its job alive: the aggregator this rank runs (embedded
+    mode, rank 0), or the job service membership (heartbeats so idle phases are not reaped)."""
 
     session: Session
     aggregator: SoftwareAggregator | None = None
+    heartbeat: jobclient.Heartbeat | None = None
+    service: tuple[str, str] | None = None  # (address, secret) to leave the job on close
 
     def close(self) -> None:
         self.session.close()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.service is not None:
+            from switchagg import jobclient  # needs grpc: imported only in job service mode
+
+            service, self.service = self.service, None
+            try:
+                jobclient.leave(service[0], service[1], self.session.assignment)
+            except jobclient.JobServiceError:
+                pass  # the job is gone already (torn down, reaped, service restarted): nothing to leave
         if self.aggregator is not None:
             self.aggregator.stop()
             self.aggregator = None
@@ -115,10 +130,14 @@ def open_data_plane(rank: int, world_size: int, share: Share, group_tag: str) ->
         service_host, _ = parse_host_port(service, "SWITCHAGG_JOB_SERVICE")
         name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
         bind = _worker_bind(service_host)
+        from switchagg import jobclient
+
+        secret = _read_secret()
         session = Session.from_job_service(
-            service, _read_secret(), name, world_size, rank=rank, bind=bind, timeout=timeout
+            service, secret, name, world_size, rank=rank, bind=bind, timeout=timeout
         )
-        return DataPlane(session)
+        heartbeat = jobclient.Heartbeat(service, secret, session.assignment).start()
+        return DataPlane(session, heartbeat=heartbeat, service=(service, secret))
 
     k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
     slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)

@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"backend": args.backend, "world_size": world, "history": history}, f)
+    # Rank 0 may host the embedded aggregator: nobody leaves before everybody is done with it.
+    dist.barrier()
     if state is not None:
         state.close()
     dist.destroy_process_group()

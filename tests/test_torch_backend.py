@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,39 +28,55 @@ def free_port() -> int:
         return port
 
 
-def launch(scenario: str, n: int, out: Path, **env: str) -> list[subprocess.Popen[str]]:
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    log: Path  # stderr goes to a file: a pipe nobody reads while polling could fill and block
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def launch(scenario: str, n: int, out: Path, **env: str) -> list[Worker]:
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
-    base.pop("SWITCHAGG_JOB_SERVICE", None)  # these tests use the embedded aggregator
+    base.pop("SWITCHAGG_JOB_SERVICE", None)  # these tests use the embedded aggregator unless told
     base.update(OMP_NUM_THREADS="1", **env)
-    return [
-        subprocess.Popen(
-            [sys.executable, WORKER, scenario, str(out)],
-            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(n)
-    ]
+    workers = []
+    for r in range(n):
+        log = out / f"stderr{r}.txt"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, WORKER, scenario, str(out)],
+                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        workers.append(Worker(proc, log))
+    return workers
 
 
-def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
-    done = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=HANG_GUARD)
-        except subprocess.TimeoutExpired:
-            stacks = []
-            for q in procs:
-                if q.poll() is None:
-                    q.send_signal(signal.SIGUSR1)
+def finish(workers: list[Worker]) -> list[tuple[int, str]]:
+    """Waits for all; once one fails the others get a grace period, then are killed: a rank
+    that died early otherwise leaves its peers waiting on the store or gloo for minutes."""
+    deadline = time.monotonic() + HANG_GUARD
+    failed_at: float | None = None
+    while any(w.proc.poll() is None for w in workers):
+        now = time.monotonic()
+        if failed_at is None and any(w.proc.returncode not in (None, 0) for w in workers):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + 15):
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.proc.send_signal(signal.SIGUSR1)  # faulthandler: dump the stacks first
             time.sleep(1)
-            for q in procs:
-                q.kill()
-                stacks.append(q.communicate()[1][-4000:])
-            pytest.fail("workers hung; their stacks:\n" + "\n----\n".join(stacks))
-        done.append((p.returncode, err))
-    return done
+            for w in workers:
+                w.proc.kill()
+                w.proc.wait()
+            if failed_at is None:
+                pytest.fail("workers hung; their stderr:\n" + "\n----\n".join(w.stderr() for w in workers))
+            break
+        time.sleep(0.1)
+    return [(w.proc.returncode, w.stderr()) for w in workers]
 
 
 def read(out: Path, rank: int) -> dict[str, Any]:
@@ -153,14 +170,14 @@ def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
     procs = launch("killed_peer", n, tmp_path, SWITCHAGG_TIMEOUT=str(timeout))
     deadline = time.monotonic() + HANG_GUARD
     while not all((tmp_path / f"ready{r}").exists() for r in range(n)):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
-            pytest.fail(
-                "workers did not reach the first allreduce: " + (procs[0].communicate()[1] or "")[-2000:]
-            )
+        if time.monotonic() > deadline or any(w.proc.poll() is not None for w in procs):
+            for w in procs:
+                w.proc.kill()
+                w.proc.wait()
+            logs = "\n----\n".join(w.stderr() for w in procs)
+            pytest.fail(f"workers did not reach the first allreduce:\n{logs}")
         time.sleep(0.05)
-    victim = procs[-1]
+    victim = procs[-1].proc
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(timeout=HANG_GUARD)
     (tmp_path / "go").write_text("")

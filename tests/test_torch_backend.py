@@ -164,6 +164,57 @@ def test_job_service_data_plane(tmp_path: Path) -> None:
     assert "torch-127.0.0.1" not in jobs_after  # both ranks left the job on close
 
 
+def test_aggregator_that_cannot_start_fails_every_rank(tmp_path: Path) -> None:
+    n = 2
+    # 192.0.2.1 (TEST-NET-1) is on no local interface, so binding it fails; nothing is sent.
+    for rank, (code, err) in enumerate(
+        finish(launch("bad_aggregator", n, tmp_path, SWITCHAGG_BIND="192.0.2.1"))
+    ):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    first, second = read(tmp_path, 0), read(tmp_path, 1)
+    assert first["error"] is not None
+    assert second["error"] == "RuntimeError" and "rank 0 could not start" in second["message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("SWITCHAGG_K", "abc", "SWITCHAGG_K='abc' is not an integer"),
+        ("SWITCHAGG_K", "0", "must be within"),
+        ("SWITCHAGG_SLOTS", "99999999", "must be within"),
+        ("SWITCHAGG_TIMEOUT", "-1", "must be positive"),
+        ("SWITCHAGG_JOB_SERVICE", "nocolon", "is not host:port"),
+    ],
+)
+def test_bad_environment_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
+    from switchagg.torch.dataplane import open_data_plane
+
+    monkeypatch.setenv(name, value)
+    if name != "SWITCHAGG_JOB_SERVICE":
+        monkeypatch.delenv("SWITCHAGG_JOB_SERVICE", raising=False)
+
+    def share(value: str | None) -> str:
+        raise AssertionError("the environment must be checked before anything is shared")
+
+    with pytest.raises(ValueError, match=message):
+        open_data_plane(0, 2, share, "g1")
+
+
+def test_job_service_needs_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from switchagg.torch.dataplane import open_data_plane
+
+    monkeypatch.setenv("SWITCHAGG_JOB_SERVICE", "127.0.0.1:1")
+    monkeypatch.delenv("SWITCHAGG_SECRET", raising=False)
+    monkeypatch.delenv("SWITCHAGG_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="SWITCHAGG_SECRET"):
+        open_data_plane(0, 2, lambda v: "", "g1")
+    monkeypatch.setenv("SWITCHAGG_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        open_data_plane(0, 2, lambda v: "", "g1")
+
+
 def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
     n = 3
     timeout = 2.0

@@ -240,7 +240,22 @@ def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def scenario_bad_aggregator(rank: int, n: int, out_dir: Path) -> None:
+    """SWITCHAGG_BIND names no local address: every rank's init_process_group must raise."""
+    try:
+        dist.init_process_group("switchagg")
+        result: dict[str, Any] = {"error": None}
+    except Exception as e:
+        result = {"error": type(e).__name__, "message": str(e)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:  # rank 0 serves the store: stay until the others have read what it published
+        deadline = time.monotonic() + 60
+        while not all((out_dir / f"rank{r}.json").exists() for r in range(n)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 SCENARIOS = {
+    "bad_aggregator": scenario_bad_aggregator,
     "collectives": scenario_collectives,
     "killed_peer": scenario_killed_peer,
     "job_service": scenario_job_service,

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # The job id an embedded aggregator gives its only job.
 EMBEDDED_JOB = 1
+# Published instead of an address when rank 0 failed to start the aggregator.
+FAILED_MARK = "!"
 
 # share(value): rank 0 passes the string to publish and gets it back; the other ranks pass None
 # and get rank 0's string. The backend implements it with the c10d store, the hook with a broadcast.
@@ -120,6 +122,19 @@ def _worker_bind(aggregator_host: str) -> tuple[str, int]:
     return ("127.0.0.1", 0) if aggregator_host.startswith("127.") else ("0.0.0.0", 0)
 
 
+def _start_aggregator(world_size: int, slots: int, k: int) -> SoftwareAggregator:
+    from switchagg.aggregator import SoftwareAggregator
+
+    aggregator = SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0)
+    aggregator.start()
+    try:
+        aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, random.randint(1, 0xFFFF))
+    except BaseException:
+        aggregator.stop()
+        raise
+    return aggregator
+
+
 def open_data_plane(rank: int, world_size: int, share: Share, group_tag: str) -> DataPlane:
     """Open this rank's data plane; collective: every rank of the group must call it."""
     from switchagg.session import Session
@@ -143,17 +158,19 @@ def open_data_plane(rank: int, world_size: int, share: Share, group_tag: str) ->
     slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
     aggregator = None
     if rank == 0:
-        from switchagg.aggregator import SoftwareAggregator
-
-        aggregator = SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0)
-        aggregator.start()
-        generation = random.randint(1, 0xFFFF)
-        aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, generation)
+        try:
+            aggregator = _start_aggregator(world_size, slots, k)
+        except Exception as e:
+            share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
+            raise
         host, port = aggregator.address
         share(f"{host}:{port}")
         address = (host, port)
     else:
-        address = parse_host_port(share(None), "published aggregator address")
+        published = share(None)
+        if published.startswith(FAILED_MARK):
+            raise RuntimeError(f"rank 0 could not start the switchagg aggregator: {published[1:]}")
+        address = parse_host_port(published, "published aggregator address")
     try:
         session = Session(
             EMBEDDED_JOB,

@@ -123,6 +123,12 @@ def test_other_ops_and_dtypes_are_delegated(collectives: list[dict[str, Any]]) -
         assert r["delegated_network_allreduces"] == 0
 
 
+def test_coalesced_and_subgroup(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["coalesced_ok"] and r["coalesced_network_allreduces"] == 1
+        assert r["subgroup_ok"] and r["subgroup_own_session"] and r["subgroup_network_allreduces"] == 1
+
+
 def test_delegated_collectives(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         assert r["broadcast_ok"] and r["allgather_ok"] and r["allgather_object_ok"] and r["barrier_ok"]

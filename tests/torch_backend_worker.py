@@ -99,6 +99,32 @@ def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
     return out
 
 
+def check_more_groups(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    """allreduce_coalesced, and a switchagg subgroup with its own embedded aggregator."""
+    out: dict[str, Any] = {}
+    before = network_allreduces(pg)
+    ts = [
+        torch.full((3,), rank + 1, dtype=torch.int32),
+        torch.full((2, 2), 2 * (rank + 1), dtype=torch.int32),
+    ]
+    pg.allreduce_coalesced(ts).wait()
+    tri = n * (n + 1) // 2
+    out["coalesced_ok"] = ts[0].tolist() == [tri] * 3 and ts[1].tolist() == [[2 * tri] * 2] * 2
+    out["coalesced_network_allreduces"] = network_allreduces(pg) - before
+    members = [0, n - 1]
+    sub = dist.new_group(members, backend="switchagg")  # collective over all ranks, even non-members
+    if rank in members:
+        x = torch.full((5,), float(rank))
+        dist.all_reduce(x, group=sub)
+        out["subgroup_ok"] = x.tolist() == [float(n - 1)] * 5
+        out["subgroup_own_session"] = sub.data_plane.session is not pg.data_plane.session
+        out["subgroup_network_allreduces"] = network_allreduces(sub)
+    else:
+        out["subgroup_ok"] = out["subgroup_own_session"] = True
+        out["subgroup_network_allreduces"] = 1
+    return out
+
+
 def check_delegated(pg: Any, rank: int, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     before = network_allreduces(pg)
@@ -184,6 +210,7 @@ def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
     result = {"type": type(pg).__name__}
     result.update(check_sums(pg, rank, n))
     result.update(check_delegated(pg, rank, n))
+    result.update(check_more_groups(pg, rank, n))
     result.update(check_ddp(pg, rank, n))
     dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))

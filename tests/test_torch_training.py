@@ -59,9 +59,15 @@ def train(backend: str, tmp: Path) -> dict[str, Any]:
     return result
 
 
-def test_switchagg_training_matches_gloo(tmp_path: Path) -> None:
-    gloo = train("gloo", tmp_path)["history"]
-    net = train("switchagg", tmp_path)["history"]
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    history: list[dict[str, Any]] = train("gloo", tmp_path_factory.mktemp("gloo"))["history"]
+    return history
+
+
+@pytest.mark.parametrize("backend", ["switchagg", "hook"])
+def test_switchagg_training_matches_gloo(gloo: list[dict[str, Any]], backend: str, tmp_path: Path) -> None:
+    net = train(backend, tmp_path)["history"]
     assert gloo[-1]["accuracy"] > 0.85  # it really learnt (chance is 0.1)
     assert abs(net[-1]["accuracy"] - gloo[-1]["accuracy"]) <= 0.005
     assert net[-1]["loss"] < net[0]["loss"]

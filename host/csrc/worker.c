@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -455,12 +456,15 @@ static PyObject *worker_allreduce(Worker *w, PyObject *args) {
         return PyErr_Format(PyExc_ValueError,
                             "tensor element %zu is NaN, infinite or above 2^127: refusing to allreduce it",
                             r.bad_index);
-    case RUN_TIMEOUT:
+    case RUN_TIMEOUT: {
+        char secs[32]; /* PyErr_Format has no %f */
+        snprintf(secs, sizeof secs, "%.1f", (double)w->timeout_ns / 1e9);
         w->broken = 1;
         return PyErr_Format(SwitchaggTimeout,
-                            "no result from the aggregator for %.1f s (job %u, rank %u, %zu of %zu slots done): "
+                            "no result from the aggregator for %s s (job %u, rank %u, %zu of %zu slots done): "
                             "a peer worker or the aggregator is gone",
-                            (double)w->timeout_ns / 1e9, w->job, w->rank, r.done, r.active);
+                            secs, w->job, w->rank, r.done, r.active);
+    }
     case RUN_NOMEM:
         return PyErr_NoMemory();
     default:

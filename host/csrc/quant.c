@@ -57,13 +57,14 @@ SA_HOT void sa_quantize_be(const float *x, size_t len, size_t k, int e_max, int 
         return;
     }
     const float lim = sa_limit(n);
-    const float pow2 = ldexpf(1.0f, -e_max); /* exact; x * pow2 is in [-1, 1] */
+    /* f = lim * 2^-e_max; for e_max below -96 it overflows a float, so scale in two steps. */
+    const float f1 = e_max >= -96 ? ldexpf(lim, -e_max) : ldexpf(1.0f, -e_max);
+    const float f2 = e_max >= -96 ? 1.0f : lim;
     for (size_t i = 0; i < len; i++) {
-        float t = (x[i] * pow2) * lim;
+        float t = (x[i] * f1) * f2;
         t = t > lim ? lim : t;
         t = t < -lim ? -lim : t;
-        t += t >= 0.0f ? 0.5f : -0.5f; /* round half away from zero, then truncate */
-        out_be[i] = bswap32((uint32_t)(int32_t)t);
+        out_be[i] = bswap32((uint32_t)(int32_t)rintf(t)); /* round to nearest even: vroundps */
     }
     for (size_t i = len; i < k; i++) out_be[i] = 0;
 }
@@ -74,6 +75,11 @@ SA_HOT void sa_dequantize_be(const uint32_t *in_be, size_t len, int e_max, int n
         return;
     }
     const float inv = 1.0f / sa_limit(n);
+    if (e_max >= -90) { /* then inv * 2^e_max is a normal float: one multiply per element */
+        const float f = ldexpf(inv, e_max);
+        for (size_t i = 0; i < len; i++) y[i] = (float)(int32_t)bswap32(in_be[i]) * f;
+        return;
+    }
     const float pow2 = ldexpf(1.0f, e_max);
     for (size_t i = 0; i < len; i++) y[i] = ((float)(int32_t)bswap32(in_be[i]) * inv) * pow2;
 }

@@ -172,13 +172,20 @@ def counters(
     """Drop counts by reason and per-job counts (keyed by job id) read through P4Runtime."""
     read = switch.read_counter  # type: ignore[attr-defined]
     drops_raw = read(p4_program.DROP_COUNTER)
-    drops = {r: drops_raw.get(i, (0, 0))[0] for r, i in protocol.DROP_INDEX.items()}
+    drops = {r: _packets(drops_raw.get(i, (0, 0))) for r, i in protocol.DROP_INDEX.items()}
     jobs: dict[int, dict[str, int]] = {}
     for job_id, index in job_indices.items():
         jobs[job_id] = {
-            name: read(p4_program.JOB_COUNTER_NAMES[name], index)[index][0] for name in protocol.JOB_COUNTERS
+            name: _packets(read(p4_program.JOB_COUNTER_NAMES[name], index)[index])
+            for name in protocol.JOB_COUNTERS
         }
     return drops, jobs
+
+
+def _packets(pair: tuple[int, int]) -> int:
+    # A (packets, bytes) or (bytes, packets) pair: every frame is over 40 bytes, so the packet
+    # count is the smaller one whichever order the client returns.
+    return min(pair)
 
 
 def delta(

@@ -299,9 +299,9 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
      * return hdr.agg.exp and hdr.vals hold the slot's state, i.e. the result if it is complete. */
     action aggregate_slot() {
         bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
-        bit<32> set = (bit<32>)(hdr.agg.pool >> 15);
-        bit<32> si = 2 * slot + set;
-        bit<32> so = 2 * slot + (1 - set);
+        bit<32> shadow = (bit<32>)(hdr.agg.pool >> 15);
+        bit<32> si = 2 * slot + shadow;
+        bit<32> so = 2 * slot + (1 - shadow);
 
         bit<16> gen;
         slot_gen.read(gen, slot);

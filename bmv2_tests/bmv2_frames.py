@@ -90,8 +90,13 @@ class Wire:
         to_self = Ether(src=sender.mac, dst=sender.mac, type=SENTINEL_TYPE) / Raw(body)
         return [bytes(flood), bytes(to_self)]
 
-    def exchange(self, index: int, frames: Sequence[bytes], timeout: float = 30.0) -> Capture:
-        """Sends frames from endpoint ``index``, then collects every endpoint's frames up to the barrier."""
+    def exchange(
+        self, index: int, frames: Sequence[bytes], timeout: float = 30.0, kinds: tuple[str, ...] = ("result",)
+    ) -> Capture:
+        """Sends frames from endpoint ``index``, then collects every endpoint's frames up to the barrier.
+
+        ``kinds`` says what is kept: "result" (UDP from port 48879) and/or "arp".
+        """
         sender = next(e for e in self.endpoints if e.index == index)
         for f in frames:
             self.send(index, f)
@@ -99,9 +104,9 @@ class Wire:
         seq = self._seq
         for f in self._sentinels(sender, seq):
             self.send(index, f)
-        return self._collect(seq, timeout)
+        return self._collect(seq, timeout, kinds)
 
-    def _collect(self, seq: int, timeout: float) -> Capture:
+    def _collect(self, seq: int, timeout: float, kinds: tuple[str, ...]) -> Capture:
         cap = Capture({e.index: [] for e in self.endpoints})
         waiting = {e.index for e in self.endpoints}
         by_fd = {s.fileno(): i for i, s in self.socks.items()}
@@ -122,7 +127,7 @@ class Wire:
                     if _sentinel_seq(data) == seq:
                         waiting.discard(i)
                     continue
-                if _is_result(data):
+                if ("result" in kinds and _is_result(data)) or ("arp" in kinds and _is_arp(data)):
                     cap.frames[i].append(data)
         return cap
 
@@ -131,6 +136,10 @@ def _sentinel_seq(frame: bytes) -> int | None:
     if len(frame) >= 18 and int.from_bytes(frame[12:14], "big") == SENTINEL_TYPE:
         return int.from_bytes(frame[14:18], "big")
     return None
+
+
+def _is_arp(frame: bytes) -> bool:
+    return len(frame) >= 14 and int.from_bytes(frame[12:14], "big") == 0x0806
 
 
 def _is_result(frame: bytes) -> bool:

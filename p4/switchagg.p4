@@ -56,6 +56,18 @@ header ethernet_t {
     bit<16> etherType;
 }
 
+header arp_t {
+    bit<16> htype;
+    bit<16> ptype;
+    bit<8>  hlen;
+    bit<8>  plen;
+    bit<16> oper;
+    mac_t   sha;
+    ip4_t   spa;
+    mac_t   tha;
+    ip4_t   tpa;
+}
+
 header ipv4_t {
     bit<4>  version;
     bit<4>  ihl;
@@ -97,6 +109,7 @@ header vals_t {
 
 struct headers_t {
     ethernet_t ethernet;
+    arp_t      arp;
     ipv4_t     ipv4;
     udp_t      udp;
     agg_t      agg;
@@ -104,7 +117,8 @@ struct headers_t {
 }
 
 struct metadata_t {
-    /* from the aggregator-address table */
+    /* the aggregator-address table: looked up with the IPv4 or ARP target address */
+    ip4_t   lookup_ip;
     bit<1>  to_aggregator;
     mac_t   agg_mac;
     /* from the job table */
@@ -133,8 +147,14 @@ parser MyParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         packet.extract(hdr.ethernet);
         transition select(hdr.ethernet.etherType) {
             0x0800: parse_ipv4;
+            0x0806: parse_arp;
             default: accept;
         }
+    }
+
+    state parse_arp {
+        packet.extract(hdr.arp);
+        transition accept;
     }
 
     state parse_ipv4 {
@@ -240,7 +260,7 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     }
 
     table aggregator {
-        key = { hdr.ipv4.dstAddr: exact @name("dst_ip"); }
+        key = { meta.lookup_ip: exact @name("dst_ip"); }
         actions = { to_aggregator; not_aggregator; }
         default_action = not_aggregator();
         size = 16;
@@ -359,8 +379,28 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         hdr.udp.srcPort = UDP_PORT;
     }
 
+    /* The switch answers ARP for the aggregator address, so hosts need no static entry. */
+    action arp_reply() {
+        hdr.arp.oper = 2;
+        hdr.arp.tha = hdr.arp.sha;
+        hdr.arp.sha = meta.agg_mac;
+        hdr.arp.tpa = hdr.arp.spa;
+        hdr.arp.spa = meta.lookup_ip;
+        hdr.ethernet.dstAddr = hdr.ethernet.srcAddr;
+        hdr.ethernet.srcAddr = meta.agg_mac;
+        standard_metadata.egress_spec = standard_metadata.ingress_port;
+    }
+
     apply {
-        if (hdr.udp.isValid() && hdr.udp.dstPort == UDP_PORT) {
+        if (hdr.arp.isValid() && hdr.arp.oper == 1 && hdr.arp.ptype == 0x0800) {
+            meta.lookup_ip = hdr.arp.tpa;
+            aggregator.apply();
+            if (meta.to_aggregator == 1) {
+                arp_reply();
+                exit;
+            }
+        } else if (hdr.udp.isValid() && hdr.udp.dstPort == UDP_PORT) {
+            meta.lookup_ip = hdr.ipv4.dstAddr;
             aggregator.apply();
         }
         if (meta.to_aggregator == 0) {
@@ -474,6 +514,7 @@ control MyComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
 control MyDeparser(packet_out packet, in headers_t hdr) {
     apply {
         packet.emit(hdr.ethernet);
+        packet.emit(hdr.arp);
         packet.emit(hdr.ipv4);
         packet.emit(hdr.udp);
         packet.emit(hdr.agg);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -105,13 +106,7 @@ class SwitchConnection:
                 )
             )
         )
-        try:
-            reply = self._arbitration.get(timeout=self.timeout)
-        except queue.Empty:
-            error = self.stream_error
-            self.close()
-            reason = f": {error}" if error else ""
-            raise P4RuntimeError(f"{self.address}: no arbitration answer{reason}") from None
+        reply = self._await_arbitration()
         code = reply.arbitration.status.code
         if code != 0:
             self.close()
@@ -121,6 +116,25 @@ class SwitchConnection:
                 "(another controller holds a higher election id)"
             )
         return self
+
+    def _await_arbitration(self) -> p4runtime_pb2.StreamMessageResponse:
+        """The switch's answer to our arbitration update; a refusal ends the stream instead."""
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                return self._arbitration.get(timeout=0.05)
+            except queue.Empty:
+                if self._reader is not None and not self._reader.is_alive():
+                    break  # the stream ended: the switch refused us (or went away)
+        error = self.stream_error
+        self.close()
+        if isinstance(error, grpc.Call):
+            raise P4RuntimeError(
+                f"{self.address} device {self.device_id}: arbitration with election id "
+                f"({self.election_id.high}, {self.election_id.low}) refused: "
+                f"{error.code().name}: {error.details()}"
+            )
+        raise P4RuntimeError(f"{self.address}: no arbitration answer within {self.timeout:g} s ({error})")
 
     def _request_iter(self) -> Iterator[p4runtime_pb2.StreamMessageRequest]:
         while True:

@@ -392,18 +392,21 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     }
 
     apply {
+        /* bmv2 wants each table applied at one place: pick the address to look up first. */
+        bool lookup = false;
         if (hdr.arp.isValid() && hdr.arp.oper == 1 && hdr.arp.ptype == 0x0800) {
             meta.lookup_ip = hdr.arp.tpa;
-            aggregator.apply();
-            if (meta.to_aggregator == 1) {
-                arp_reply();
-                exit;
-            }
+            lookup = true;
         } else if (hdr.udp.isValid() && hdr.udp.dstPort == UDP_PORT) {
             meta.lookup_ip = hdr.ipv4.dstAddr;
+            lookup = true;
+        }
+        if (lookup) {
             aggregator.apply();
         }
-        if (meta.to_aggregator == 0) {
+        if (meta.to_aggregator == 1 && hdr.arp.isValid()) {
+            arp_reply();
+        } else if (meta.to_aggregator == 0) {
             l2_forward.apply();
         } else if (!hdr.agg.isValid()) {
             drop_for(DROP_TRUNCATED);

@@ -113,18 +113,22 @@ class Endpoint:
         return subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], text=True, **kw)  # type: ignore[call-overload]
 
     def set_loss(self, percent: int) -> None:
-        """Drops ``percent``% of aggregation packets leaving and arriving here (nftables, random)."""
+        """Drops ``percent``% of aggregation packets leaving and arriving here (nftables numgen random)."""
         if not 0 <= percent <= 100:
             raise ValueError(f"loss must be 0..100 percent, not {percent}")
-        sh("nft", "delete table inet saloss", ns=self.ns, check=False)
+        sh("nft", "delete table netdev saloss", ns=self.ns, check=False)
         if percent == 0:
             return
+        # netdev egress/ingress hooks on eth0: a drop there is silent to the sender, like a loss
+        # on the wire (an inet output-hook drop would fail the worker's sendmsg with EPERM).
         rules = (
-            "table inet saloss {\n"
-            "  chain out { type filter hook output priority 0; policy accept;\n"
-            f"    udp dport 48879 numgen random mod 100 < {percent} drop }}\n"
-            "  chain in { type filter hook input priority 0; policy accept;\n"
-            f"    udp sport 48879 numgen random mod 100 < {percent} drop }}\n"
+            "table netdev saloss {\n"
+            f"  chain outbound {{\n    type filter hook egress device {self.ifname} priority 0;\n"
+            "    policy accept;\n"
+            f"    udp dport 48879 numgen random mod 100 < {percent} counter drop\n  }}\n"
+            f"  chain inbound {{\n    type filter hook ingress device {self.ifname} priority 0;\n"
+            "    policy accept;\n"
+            f"    udp sport 48879 numgen random mod 100 < {percent} counter drop\n  }}\n"
             "}\n"
         )
         p = subprocess.run(
@@ -137,20 +141,23 @@ class Endpoint:
         if p.returncode != 0:
             raise TestbedError(f"nft in {self.ns}: {p.stderr.strip()}")
 
-    def loss_counters(self) -> str:
-        return sh("nft", "list table inet saloss", ns=self.ns, check=False)
+    def lost(self) -> int:
+        """Packets the loss rules dropped so far (both directions)."""
+        out = sh("nft", "list table netdev saloss", ns=self.ns, check=False)
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
 
 
 class Testbed:
     """``n`` endpoints around one simple_switch_grpc; use as a context manager."""
 
-    def __init__(self, n: int, workdir: Path, device_id: int = 0) -> None:
+    def __init__(self, n: int, workdir: Path, device_id: int = 0, static_arp: bool = False) -> None:
         if not 1 <= n <= 32:
             raise ValueError(f"a testbed has 1..32 endpoints, not {n}")
         self.prefix = f"{_PREFIX}{os.getpid()}x{next(_counter)}"
         self.switch_ns = f"{self.prefix}sw"
         self.workdir = workdir
         self.device_id = device_id
+        self.static_arp = static_arp
         self.grpc_socket = workdir / "p4runtime.sock"
         self.endpoints = [
             Endpoint(i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{_SUBNET}{i + 1}", i + 1)
@@ -207,20 +214,9 @@ class Testbed:
             for ns, ifname in ((e.ns, e.ifname), (self.switch_ns, sw_if)):
                 sh("ethtool", "-K", ifname, "tx", "off", "rx", "off", "sg", "off", ns=ns, check=False)
                 sh("ip", "link", "set", ifname, "mtu", "1500", "up", ns=ns)
-            # The switch does not answer ARP for the aggregator: a static entry stands in.
-            sh(
-                "ip",
-                "neigh",
-                "replace",
-                AGG_IP,
-                "lladdr",
-                AGG_MAC,
-                "nud",
-                "permanent",
-                "dev",
-                e.ifname,
-                ns=e.ns,
-            )
+            if self.static_arp:  # otherwise the switch itself answers ARP for the aggregator
+                neigh = ["ip", "neigh", "replace", AGG_IP, "lladdr", AGG_MAC, "nud", "permanent"]
+                sh(*neigh, "dev", e.ifname, ns=e.ns)
         self._start_switch()
 
     def _start_switch(self) -> None:

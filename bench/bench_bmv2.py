@@ -6,10 +6,11 @@ number of 314-byte frames as fast as Python can send them; bmv2 is the bottlenec
 excess at its input, and the rate is what comes out the other side, measured at the receivers
 from first to last frame:
 
-* L2: UDP frames to the other endpoint's MAC (not to the aggregator), forwarded by l2_forward.
+* L2: UDP frames to the other endpoint's MAC (not to the aggregator), forwarded by l2_forward;
+  the rate counts both directions.
 * aggregation: DATA packets of a 2-worker job, each (slot, set) of the pool used once per pass,
-  a fresh generation per pass; every result needs both workers' DATA, so the DATA rate is
-  2 x the result rate seen by one worker.
+  a fresh generation per pass; the rate is the DATA the switch aggregated (its `aggregated`
+  counter) over the time its results were coming out.
 
 Prints a table and one JSON line. Bounded: --frames per endpoint per run, --timeout per run.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bmv2_tests"))
 
-from bmv2_frames import RESULT_PORT_BASE, data_frame  # noqa: E402
+from bmv2_frames import RESULT_PORT_BASE, counters, data_frame  # noqa: E402
 from bmv2_jobs import make_job  # noqa: E402
 from bmv2_testbed import Endpoint, Testbed  # noqa: E402
 from bmv2_tools import find_tool, missing_for_switch, tool_env  # noqa: E402
@@ -69,11 +70,6 @@ class Receiver(threading.Thread):
             self.count, self.last = self.count + 1, now
         self.sock.close()
 
-    def rate(self) -> float:
-        return (
-            (self.count - 1) / (self.last - self.first) if self.count > 1 and self.last > self.first else 0.0
-        )
-
 
 def _blast(e: Endpoint, frames: list[bytes]) -> None:
     s = e.raw_socket()
@@ -84,14 +80,16 @@ def _blast(e: Endpoint, frames: list[bytes]) -> None:
         s.close()
 
 
-def _run(senders: list[tuple[Endpoint, list[bytes]]], receiver: Receiver) -> None:
-    receiver.start()
+def _run(senders: list[tuple[Endpoint, list[bytes]]], *receivers: Receiver) -> None:
+    for r in receivers:
+        r.start()
     threads = [threading.Thread(target=_blast, args=(e, fs), daemon=True) for e, fs in senders]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    receiver.join(timeout=max(1.0, receiver.deadline - time.monotonic() + 1))
+    for r in receivers:
+        r.join(timeout=max(1.0, r.deadline - time.monotonic() + 1))
 
 
 def measure_l2(a: Endpoint, b: Endpoint, frames: int, timeout: float) -> float:
@@ -106,10 +104,15 @@ def measure_l2(a: Endpoint, b: Endpoint, frames: int, timeout: float) -> float:
             / Raw(b"\0" * pad)
         )
 
-    rx = Receiver(b, port, frames, time.monotonic() + timeout)
-    # Both directions load the switch as the two workers do; only a->b is timed.
-    _run([(a, [frame(a, b)] * frames), (b, [frame(b, a)] * frames)], rx)
-    return rx.rate()
+    deadline = time.monotonic() + timeout
+    to_a, to_b = Receiver(a, port, frames, deadline), Receiver(b, port, frames, deadline)
+    # Both directions at once, as the two workers load the switch; the rate counts both.
+    _run([(a, [frame(a, b)] * frames), (b, [frame(b, a)] * frames)], to_a, to_b)
+    got = [r for r in (to_a, to_b) if r.count]
+    if not got:
+        return 0.0
+    window = max(r.last for r in got) - min(r.first for r in got)
+    return (sum(r.count for r in got) - 1) / window if window > 0 else 0.0
 
 
 def measure_agg(bed: Testbed, switch: SwitchConnection, frames: int, timeout: float) -> float:
@@ -126,19 +129,21 @@ def measure_agg(bed: Testbed, switch: SwitchConnection, frames: int, timeout: fl
                 )
                 per_rank[rank].append(data_frame(e, h.pack()))
     # Passes reuse slots, so each needs its own generation: install, blast, reinstall.
-    rx_rate = []
+    processed, seconds = 0, 0.0
     for p in range(passes):
         job = make_job(61, [a, b], slot_base=0, slot_count=protocol.P4_NUM_SLOTS, counter_index=0)
         switch.apply(p4_program.desired_state(bed.topology(), [job]))
         chunk = slice(p * pool, (p + 1) * pool)
         n = len(per_rank[0][chunk])
+        before = counters(switch, {job.job_id: 0})[1][job.job_id]["aggregated"]
         rx = Receiver(a, RESULT_PORT_BASE + a.index, n, time.monotonic() + timeout)
         _run([(a, per_rank[0][chunk]), (b, per_rank[1][chunk])], rx)
+        # DATA the pipeline aggregated (bmv2 drops the excess at its input, so fewer than sent),
+        # over the time results were coming out.
         if rx.count > 1:
-            rx_rate.append((rx.rate(), rx.count))
-    total = sum(c for _, c in rx_rate)
-    results_per_s = sum(r * c for r, c in rx_rate) / total if total else 0.0
-    return 2 * results_per_s  # DATA packets per second: two per result
+            processed += counters(switch, {job.job_id: 0})[1][job.job_id]["aggregated"] - before
+            seconds += rx.last - rx.first
+    return processed / seconds if seconds else 0.0
 
 
 def bmv2_version() -> str:

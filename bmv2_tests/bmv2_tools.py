@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 EXTRA_BIN_DIRS = (Path("/opt/p4/bin"), Path("/usr/local/bin"))
@@ -33,6 +34,13 @@ def missing_for_switch() -> str | None:
     for tool in ("simple_switch_grpc", "simple_switch_CLI"):
         if find_tool(tool) is None:
             return f"bmv2 tests need {tool} (bmv2 with PI/gRPC) on PATH or in /opt/p4/bin"
+    # simple_switch_CLI (register reads) runs on `python3` and needs the thrift module there.
+    python3 = shutil.which("python3", path=tool_env().get("PATH"))
+    if (
+        python3 is None
+        or subprocess.run([python3, "-c", "import thrift"], capture_output=True, env=tool_env()).returncode
+    ):
+        return "simple_switch_CLI needs the Python `thrift` module for python3 (pip install thrift)"
     return None
 
 

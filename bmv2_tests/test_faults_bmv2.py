@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bmv2_frames import Wire, counters, data_frame, delta
+from bmv2_frames import Wire, counters, data_frame, delta, result_port
 from bmv2_jobs import make_job
 from bmv2_run import check_results, finish, start_job
 from scapy.layers.inet import IP, UDP
@@ -72,6 +72,10 @@ def test_bad_packets_dropped_counted_and_harmless(bed: Any, switch: Any, tmp_pat
             "spoofed": [
                 (5, data_frame(e[5], full)),  # rank 1 of the idle job from a foreign port
                 (5, data_frame(e[5], full, src_ip=e[3].ip)),  # ... even with rank 1's source address
+                (
+                    3,
+                    data_frame(e[3], full, sport=result_port(e[3]) + 1000),
+                ),  # rank 1's port, another UDP port
                 (2, data_frame(e[2], full)),  # rank 0's port claiming rank 1
                 (
                     5,

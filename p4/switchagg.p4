@@ -133,6 +133,7 @@ struct metadata_t {
     bit<1>  worker_found;
     port_t  worker_port;
     ip4_t   worker_ip;
+    bit<16> worker_udp_port;
     /* the aggregation decision, carried into egress (copied into multicast replicas) */
     bit<2>  outcome;
     bit<1>  is_result;
@@ -288,10 +289,11 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         size = MAX_JOBS;
     }
 
-    action set_worker(port_t port, ip4_t ip) {
+    action set_worker(port_t port, ip4_t ip, bit<16> udp_port) {
         meta.worker_found = 1;
         meta.worker_port = port;
         meta.worker_ip = ip;
+        meta.worker_udp_port = udp_port;
     }
 
     action unknown_worker() {
@@ -422,8 +424,9 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
                 drop_for(DROP_BAD_RANK);
             } else {
                 worker_table.apply();
+                /* A rank is its ingress port and its address (IPv4, UDP port), as registered. */
                 if (meta.worker_found == 0 || standard_metadata.ingress_port != meta.worker_port
-                        || hdr.ipv4.srcAddr != meta.worker_ip) {
+                        || hdr.ipv4.srcAddr != meta.worker_ip || hdr.udp.srcPort != meta.worker_udp_port) {
                     drop_for(DROP_SPOOFED);
                 } else if (((hdr.agg.pool & POOL_SLOT_MASK) - meta.slot_base) >= meta.slot_count) {
                     drop_for(DROP_BAD_POOL);  /* unsigned wrap-around makes this a range check */

@@ -49,7 +49,7 @@ def test_job_state_resolves_ports_and_macs_from_topology() -> None:
         "counter_index": 0,
     }
     workers = {dict(e.match)["rank"]: dict(e.params) for e in entries if e.table == p4.WORKER_TABLE}
-    assert workers[2] == {"port": 3, "ip": 0x0A090003}
+    assert workers[2] == {"port": 3, "ip": 0x0A090003, "udp_port": 40002}
     results = {dict(e.match)["rank"]: dict(e.params) for e in entries if e.table == p4.RESULT_TABLE}
     assert results[1] == {"mac": 0x020000000002, "ip": 0x0A090002, "udp_port": 40001}
     assert groups[0].group_id == p4.JOB_GROUP_BASE and groups[0].replicas == ((1, 0), (2, 1), (3, 2))

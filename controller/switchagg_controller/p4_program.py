@@ -173,7 +173,7 @@ def job_state(job: Job, topology: Topology) -> tuple[list[TableEntry], list[Mult
                 WORKER_TABLE,
                 (("job", job.job_id), ("rank", w.rank)),
                 "MyIngress.set_worker",
-                (("port", port), ("ip", ip_int(w.ip))),
+                (("port", port), ("ip", ip_int(w.ip)), ("udp_port", w.udp_port)),
             )
         )
         entries.append(

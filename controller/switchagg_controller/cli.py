@@ -304,9 +304,14 @@ def _push(args: argparse.Namespace) -> int:
     json_path, p4info = _p4_artifacts(args)
     state = p4_program.desired_state(topology, [])
     with SwitchConnection(topology.switch_address, topology.device_id, topology.election_id) as conn:
-        conn.set_pipeline(json_path, p4info)
+        if args.force_pipeline:
+            conn.set_pipeline(json_path, p4info)
+            pushed = True
+        else:
+            pushed = conn.ensure_pipeline(json_path, p4info)
         changes = conn.apply(state, delete_others=not args.keep_jobs)
-    print(f"pushed {json_path.name} to {topology.switch_address}: {changes} change(s)")
+    what = f"pushed {json_path.name}" if pushed else f"{json_path.name} already running"
+    print(f"{what} on {topology.switch_address}: {changes} change(s)")
     return 0
 
 
@@ -343,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True)
     _add_p4(p)
     p.add_argument("--keep-jobs", action="store_true", help="leave entries not in the L2 state alone")
+    p.add_argument("--force-pipeline", action="store_true", help="push the pipeline even if it is running")
     p.set_defaults(func=_push)
 
     p = sub.add_parser("jobs", help="list jobs and their slots")

@@ -218,6 +218,18 @@ class SwitchConnection:
             raise _describe(e, f"set pipeline {Path(bmv2_json).name} on {self.address}") from None
         self.helper = p4i.P4InfoHelper(info)
 
+    def ensure_pipeline(self, bmv2_json: Path, p4info: Path) -> bool:
+        """Pushes the pipeline unless the switch already runs it (same cookie); True if pushed.
+
+        Pushing replaces the pipeline and so wipes every entry: skipping it keeps a second push idempotent.
+        """
+        cookie = pipeline_cookie(Path(bmv2_json).read_bytes(), Path(p4info).read_bytes())
+        if self.get_pipeline_cookie() == cookie:
+            self.load_p4info(p4info)
+            return False
+        self.set_pipeline(bmv2_json, p4info)
+        return True
+
     def get_pipeline_cookie(self) -> int | None:
         """The cookie of the switch's pipeline; None when it has none (e.g. it just restarted)."""
         request = p4runtime_pb2.GetForwardingPipelineConfigRequest(

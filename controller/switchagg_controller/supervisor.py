@@ -114,10 +114,8 @@ class SwitchSupervisor:
     def _connect(self) -> None:
         conn = SwitchConnection(self.address, self.device_id, self.election_id, self.timeout).connect()
         try:
-            if conn.get_pipeline_cookie() == self.cookie:
-                conn.load_p4info(self.p4info)  # our pipeline is still there (we restarted, not it)
-            else:
-                conn.set_pipeline(self.bmv2_json, self.p4info)
+            # Our pipeline still there means the controller restarted, not the switch.
+            if conn.ensure_pipeline(self.bmv2_json, self.p4info):
                 self.pushes += 1
                 self.on_restart()
             with self._lock:

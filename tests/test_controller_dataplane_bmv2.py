@@ -129,12 +129,14 @@ def test_switch_restart_under_running_workers_never_gives_a_wrong_sum(
         assert time.monotonic() < deadline, "the workers never made progress"
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.1)
+    assert max(done(e.index) for e in bed.endpoints) < 400 and all(p.poll() is None for p in procs)
     bed._switch.kill()  # the switch dies mid-training and comes back without any state
     bed._switch.wait(30)
     bed.grpc_socket.unlink(missing_ok=True)
     bed._start_switch()
 
     reports = _reports(procs)
+    print("after the restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])  # shown with -s
     assert all(r["wrong"] == 0 for r in reports), reports
     for r in reports:
         assert r["ok"] >= 3

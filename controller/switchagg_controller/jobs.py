@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from switchagg import protocol
+from switchagg.jobclient import Assignment  # the answer a worker gets: one definition for both sides
 from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
 from switchagg_controller.dataplane import DataPlane, DataPlaneError
@@ -33,20 +34,6 @@ class JobError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class Assignment:
-    data_plane: str
-    aggregator_ip: str
-    aggregator_port: int
-    job_id: int
-    rank: int
-    world_size: int
-    slot_base: int
-    slot_count: int
-    k: int
-    generation: int
 
 
 @dataclass

@@ -63,6 +63,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _time_allreduces(allreduce: Any, fresh: Any, reps: int, bar: Any) -> list[float]:
+    """One warm-up (page faults, socket buffers), then ``reps`` allreduces started together."""
+    allreduce(fresh())
+    times = []
+    for _ in range(reps):
+        y = fresh()
+        bar.wait()
+        t0 = time.perf_counter()
+        allreduce(y)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _switchagg_worker(
     rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any
 ) -> None:
@@ -70,15 +83,7 @@ def _switchagg_worker(
 
     x = np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32)
     with Session(1, rank, n, ("127.0.0.1", port), 0, slots, k, timeout=60) as s:
-        s.allreduce(x.copy())  # warm-up: page faults, socket buffers
-        times = []
-        for _ in range(reps):
-            y = x.copy()
-            bar.wait()
-            t0 = time.perf_counter()
-            s.allreduce(y)
-            times.append(time.perf_counter() - t0)
-        q.put((rank, times, s.stats()))
+        q.put((rank, _time_allreduces(s.allreduce, x.copy, reps, bar), s.stats()))
 
 
 def _gloo_worker(rank: int, n: int, port: int, n_el: int, reps: int, bar: Any, q: Any) -> None:
@@ -88,15 +93,7 @@ def _gloo_worker(rank: int, n: int, port: int, n_el: int, reps: int, bar: Any, q
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32))
-    dist.all_reduce(x.clone())
-    times = []
-    for _ in range(reps):
-        y = x.clone()
-        bar.wait()
-        t0 = time.perf_counter()
-        dist.all_reduce(y)
-        times.append(time.perf_counter() - t0)
-    q.put((rank, times, {}))
+    q.put((rank, _time_allreduces(dist.all_reduce, x.clone, reps, bar), {}))
     dist.destroy_process_group()
 
 

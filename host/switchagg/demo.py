@@ -36,13 +36,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> No
                 s.allreduce(yi)
                 s.allreduce(yf)
                 times.append(time.perf_counter() - t0)
-            exact_i = np.sum([_inputs(r, args.size)[0].astype(np.int64) for r in range(args.workers)], axis=0)
-            exact_f = np.sum(
-                [_inputs(r, args.size)[1].astype(np.float64) for r in range(args.workers)], axis=0
-            )
+            every = [_inputs(r, args.size) for r in range(args.workers)]
+            exact_i = np.sum([i.astype(np.int64) for i, _ in every], axis=0)
+            exact_f = np.sum([f.astype(np.float64) for _, f in every], axis=0)
             int_ok = bool(np.array_equal(yi, exact_i.astype(np.int32)))
             err = float(np.max(np.abs(yf - exact_f)))
-            peak = max(float(np.max(np.abs(_inputs(r, args.size)[1]))) for r in range(args.workers))
+            peak = max(float(np.max(np.abs(f))) for _, f in every)
             bound = protocol.error_bound(args.workers, int(np.frexp(peak)[1]))
             out.put((rank, int_ok, err <= bound, err, min(times), s.stats(), ""))
     except Exception as e:  # reported by the parent, which decides the exit code

@@ -77,39 +77,55 @@ def _time_allreduces(allreduce: Any, fresh: Any, reps: int, bar: Any) -> list[fl
 
 
 def _switchagg_worker(
-    rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any
+    rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any, go: Any
 ) -> None:
     from switchagg import Session
 
     x = np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32)
     with Session(1, rank, n, ("127.0.0.1", port), 0, slots, k, timeout=60) as s:
-        q.put((rank, _time_allreduces(s.allreduce, x.copy, reps, bar), s.stats()))
+        q.put(("address", rank, s.local_address))  # the job is installed with every rank's address
+        if not go.wait(60):
+            raise SystemExit("the job was never installed")
+        q.put(("times", rank, _time_allreduces(s.allreduce, x.copy, reps, bar), s.stats()))
 
 
-def _gloo_worker(rank: int, n: int, port: int, n_el: int, reps: int, bar: Any, q: Any) -> None:
+def _gloo_worker(rank: int, n: int, port: int, n_el: int, reps: int, bar: Any, q: Any, go: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     x = torch.from_numpy(np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32))
-    q.put((rank, _time_allreduces(dist.all_reduce, x.clone, reps, bar), {}))
+    q.put(("times", rank, _time_allreduces(dist.all_reduce, x.clone, reps, bar), {}))
     dist.destroy_process_group()
 
 
-def _run(target: Any, n: int, args: tuple[Any, ...]) -> tuple[list[float], list[dict[str, int]]]:
+def _run(
+    target: Any, n: int, args: tuple[Any, ...], install: Any = None
+) -> tuple[list[float], list[dict[str, int]]]:
+    """Runs n ranks of ``target``; ``install(addresses)`` is called once every rank announced its own."""
     ctx = mp.get_context("spawn")
-    bar, q = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, n, *args, bar, q)) for r in range(n)]
+    bar, q, go = ctx.Barrier(n), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=target, args=(r, n, *args, bar, q, go)) for r in range(n)]
     for p in procs:
         p.start()
-    out = [q.get(timeout=600) for _ in procs]
+    addresses: dict[int, tuple[str, int]] = {}
+    out: list[list[Any]] = []
+    while len(out) < n:
+        kind, rank, *rest = q.get(timeout=600)
+        if kind == "address":
+            addresses[rank] = rest[0]
+            if len(addresses) == n:
+                install([addresses[r] for r in range(n)])
+                go.set()
+        else:
+            out.append(rest)
     for p in procs:
         p.join(timeout=60)
-    reps = len(out[0][1])
+    reps = len(out[0][0])
     # An allreduce is done when its slowest rank is done.
-    per_rep = [max(o[1][i] for o in out) for i in range(reps)]
-    return per_rep, [o[2] for o in out]
+    per_rep = [max(o[0][i] for o in out) for i in range(reps)]
+    return per_rep, [o[1] for o in out]
 
 
 def bench_allreduce(n: int, mb: int, reps: int, k: int, slots: int, gloo: bool) -> dict[str, Any]:
@@ -117,10 +133,13 @@ def bench_allreduce(n: int, mb: int, reps: int, k: int, slots: int, gloo: bool) 
 
     n_el = mb * (1 << 20) // 4
     agg = SoftwareAggregator("127.0.0.1", 0)
-    agg.add_job(1, n, 0, slots, k, 1)
     agg.start()
     try:
-        times, stats = _run(_switchagg_worker, n, (agg.address[1], n_el, reps, k, slots))
+
+        def install(addrs: list[tuple[str, int]]) -> None:
+            agg.add_job(1, n, 0, slots, k, 1, addrs)
+
+        times, stats = _run(_switchagg_worker, n, (agg.address[1], n_el, reps, k, slots), install)
     finally:
         agg.stop()
     t_sa = statistics.median(times)

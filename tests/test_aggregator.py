@@ -22,6 +22,11 @@ from switchagg.protocol import DROP_REASONS, EXP_NONE, JOB_COUNTERS, MAX_K, MSG_
 WAIT_S = 10.0  # generous; only guards against hangs
 
 
+def fake_addrs(n: int) -> list[tuple[str, int]]:
+    """Distinct rank addresses for jobs that see no traffic."""
+    return [("127.0.0.1", 40000 + r) for r in range(n)]
+
+
 @pytest.fixture
 def agg() -> Iterator[SoftwareAggregator]:
     with SoftwareAggregator() as a:
@@ -83,7 +88,7 @@ def test_add_job_rejects_bad_parameters(
     agg: SoftwareAggregator, args: tuple[int, int, int, int, int, int], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        agg.add_job(*args)
+        agg.add_job(*args, fake_addrs(2))
     assert agg.counters()["jobs"] == {}
 
 
@@ -94,23 +99,30 @@ def test_add_job_rejects_bad_addrs(agg: SoftwareAggregator) -> None:
         agg.add_job(1, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("localhost", 5001)])
     with pytest.raises(ValueError, match="must be an \\(ip: str, port: int\\) tuple"):
         agg.add_job(1, 1, 0, 4, 8, 1, ["127.0.0.1:5000"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="addrs\\[0\\] and addrs\\[1\\] are the same address"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("127.0.0.1", 5000)])
+    with pytest.raises(ValueError, match="0.0.0.0 is no source address"):
+        agg.add_job(1, 1, 0, 4, 8, 1, [("0.0.0.0", 5000)])
+    with pytest.raises(TypeError):  # there is no mode without addresses
+        agg._agg.add_job(1, 1, 0, 4, 8, 1)
     assert agg.counters()["jobs"] == {}
 
 
 def test_job_ids_and_slot_ranges_are_exclusive(agg: SoftwareAggregator) -> None:
-    agg.add_job(1, 2, 100, 10, 8, 1)
+    two = fake_addrs(2)
+    agg.add_job(1, 2, 100, 10, 8, 1, two)
     with pytest.raises(ValueError, match="job id 1 is already installed"):
-        agg.add_job(1, 2, 0, 4, 8, 1)
+        agg.add_job(1, 2, 0, 4, 8, 1, two)
     with pytest.raises(ValueError, match="overlap slots \\[100, 110\\) of job 1"):
-        agg.add_job(2, 2, 109, 4, 8, 1)
+        agg.add_job(2, 2, 109, 4, 8, 1, two)
     with pytest.raises(ValueError, match="overlap"):
-        agg.add_job(2, 2, 90, 11, 8, 1)
-    agg.add_job(2, 2, 110, 4, 8, 1)  # adjacent is fine
-    agg.add_job(3, 2, 90, 10, 8, 1)
+        agg.add_job(2, 2, 90, 11, 8, 1, two)
+    agg.add_job(2, 2, 110, 4, 8, 1, two)  # adjacent is fine
+    agg.add_job(3, 2, 90, 10, 8, 1, two)
     agg.remove_job(1)
     with pytest.raises(ValueError, match="job 1 is not installed"):
         agg.remove_job(1)
-    agg.add_job(4, 2, 100, 10, 8, 1)  # the range is free again
+    agg.add_job(4, 2, 100, 10, 8, 1, two)  # the range is free again
     assert sorted(agg.counters()["jobs"]) == [2, 3, 4]
 
 
@@ -131,10 +143,10 @@ def test_constructor_rejects_bad_input() -> None:
 # ---- the packet path ----
 
 
-def test_learnt_addresses_and_large_k_wraparound(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
-    """No addresses given: results go where each rank's DATA came from; K=8192 int32 wrap-around."""
+def test_large_k_wraparound(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
+    """K=8192 int32 wrap-around; each rank's result goes to its pinned address."""
     k, n = 8192, 4
-    agg.add_job(5, n, 0, 2, k, 1)
+    agg.add_job(5, n, 0, 2, k, 1, [s.getsockname() for s in socks])
     rng = np.random.default_rng(7)
     contributions = rng.integers(-(2**31), 2**31, size=(n, k), dtype=np.int64).astype(np.int32)
     for r in range(n):
@@ -147,6 +159,29 @@ def test_learnt_addresses_and_large_k_wraparound(agg: SoftwareAggregator, socks:
     c = agg.counters()
     assert c["jobs"][5] == {"aggregated": 4, "multicast": 1, "resent": 0, "retrans_ignored": 0}
     assert c["rx"] == 4 and c["tx"] == 4
+
+    assert all(nothing_waiting(s) for s in socks)
+
+
+def test_a_foreign_socket_cannot_contribute_or_receive(
+    agg: SoftwareAggregator, socks: list[socket.socket]
+) -> None:
+    """socks[2] claims rank 0 and rank 1 before, between and after their real packets: the sum is
+    the two pinned ranks' alone, counted drops say why, and the foreign socket hears nothing."""
+    ranks, intruder = socks[:2], socks[2]
+    agg.add_job(4, 2, 0, 1, 4, 1, [s.getsockname() for s in ranks])
+    for r in (0, 1):
+        intruder.sendto(data(4, r, 0, [1000] * 4), agg.address)
+    ranks[0].sendto(data(4, 0, 0, [1] * 4), agg.address)
+    intruder.sendto(data(4, 1, 0, [2000] * 4), agg.address)  # would complete the slot if accepted
+    ranks[1].sendto(data(4, 1, 0, [2] * 4), agg.address)
+    for s in ranks:
+        assert Header.unpack(s.recv(65536)).values == [3] * 4
+    intruder.sendto(data(4, 1, 0, [0] * 4), agg.address)  # a "retransmission" asking for the result
+    c = wait_rx(agg, 6)
+    assert c["drops"]["spoofed"] == 4 and c["tx"] == 2
+    assert c["jobs"][4] == {"aggregated": 2, "multicast": 1, "resent": 0, "retrans_ignored": 0}
+    assert nothing_waiting(intruder)
 
 
 def test_two_jobs_are_isolated(agg: SoftwareAggregator, socks: list[socket.socket]) -> None:
@@ -171,7 +206,7 @@ def test_two_jobs_are_isolated(agg: SoftwareAggregator, socks: list[socket.socke
 
 
 def test_counters_layout(agg: SoftwareAggregator) -> None:
-    agg.add_job(3, 1, 0, 1, 8, 1)
+    agg.add_job(3, 1, 0, 1, 8, 1, fake_addrs(1))
     c = agg.counters()
     assert set(c) == {"rx", "tx", "drops", "faults", "jobs"}
     assert list(c["drops"]) == list(DROP_REASONS)
@@ -291,12 +326,19 @@ def test_jobs_can_change_while_serving(agg: SoftwareAggregator, socks: list[sock
 
 
 def test_parse_job() -> None:
-    assert parse_job("7:2:0:32:8192") == (7, 2, 0, 32, 8192, 1)
-    assert parse_job("7:2:0:32:64:5") == (7, 2, 0, 32, 64, 5)
+    two = [("127.0.0.1", 5000), ("10.0.0.2", 6000)]
+    assert parse_job("7:2:0:32:8192@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 8192, 1, two)
+    assert parse_job("7:2:0:32:64:5@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 64, 5, two)
+    with pytest.raises(Exception, match="names no rank addresses"):
+        parse_job("7:2:0:32:8192")
+    with pytest.raises(Exception, match="2 ranks but 1 addresses"):
+        parse_job("7:2:0:32:8192@127.0.0.1:5000")
+    with pytest.raises(Exception, match="is not IP:PORT"):
+        parse_job("7:1:0:32:8192@127.0.0.1")
     with pytest.raises(Exception, match="ID:N:BASE:COUNT:K"):
-        parse_job("7:2:0")
+        parse_job("7:2:0@127.0.0.1:1,127.0.0.1:2")
     with pytest.raises(Exception, match="integer"):
-        parse_job("7:2:x:32:64")
+        parse_job("7:2:x:32:64@127.0.0.1:1,127.0.0.1:2")
 
 
 def test_cli_help() -> None:
@@ -307,14 +349,22 @@ def test_cli_help() -> None:
     assert "--job" in out.stdout and "--drop-in" in out.stdout and "--stats-interval" in out.stdout
 
 
-def test_cli_rejects_a_bad_job() -> None:
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("1:2:0:4:8", "names no rank addresses"),
+        ("1:1:0:4:8@localhost:5000", "not an IPv4 address"),
+        ("1:1:0:4:99999@127.0.0.1:5000", "k must be in 1..16372"),
+    ],
+)
+def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", "1:40:0:4:8"],
+        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", spec],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.returncode == 2 and "n (workers) must be in 1..32" in out.stderr
+    assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def _readline(proc: subprocess.Popen[str]) -> str:
@@ -325,7 +375,8 @@ def _readline(proc: subprocess.Popen[str]) -> str:
 
 
 def test_cli_serves_a_job_and_exits_on_sigint(socks: list[socket.socket]) -> None:
-    cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", "9:2:10:4:32:3"]
+    addrs = ",".join("{}:{}".format(*s.getsockname()) for s in socks[:2])
+    cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", f"9:2:10:4:32:3@{addrs}"]
     cmd += ["--stats-interval", "0.05"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,57 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from switchagg import protocol
 from switchagg.aggregator import SoftwareAggregator
-
-sys.path.insert(0, str(Path(__file__).parent))
-from worker_proc import inputs  # noqa: E402
-
-WORKER = str(Path(__file__).parent / "worker_proc.py")
+from switchagg.testing.checks import check_results
+from switchagg.testing.local import run_job
 
 
-def run_workers(
-    agg: SoftwareAggregator, n: int, tensors: list[tuple[str, int]], tmp: Path, **cfg: object
-) -> list[subprocess.CompletedProcess[str]]:
-    procs = []
-    for rank in range(n):
-        c = {"rank": rank, "n": n, "port": agg.address[1], "tensors": tensors, "out": str(tmp), **cfg}
-        if cfg.get("victim") == rank:
-            c["die_after"] = cfg["die_after_results"]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, json.dumps(c)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)  # a hang fails the test instead of blocking CI
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
-
-
-def results(tmp: Path, n: int, count: int) -> list[list[np.ndarray]]:
-    files = [np.load(tmp / f"rank{r}.npz") for r in range(n)]
-    return [[f[f"t{i}"] for i in range(count)] for f in files]
-
-
-def expected(n: int, dtype: str, size: int, seed: int) -> np.ndarray:
-    wide = np.int64 if dtype == "int32" else np.float64
-    total = np.sum([inputs(r, size, dtype, seed).astype(wide) for r in range(n)], axis=0)
-    return total.astype(np.int32) if dtype == "int32" else total
-
-
-def float_bound(n: int, size: int, seed: int, k: int) -> np.ndarray:
-    """Per-element documented bound: n * 2^(E-22), E the block's max exponent over workers."""
-    peak = np.max([np.abs(inputs(r, size, "float32", seed)) for r in range(n)], axis=0)
-    blocks = (size + k - 1) // k
-    padded = np.zeros(blocks * k, np.float32)
-    padded[:size] = peak
-    e = np.frexp(padded.reshape(blocks, k).max(axis=1))[1]
-    return np.repeat([protocol.error_bound(n, int(x)) for x in e], k)[:size]
+def ok(procs: list[subprocess.CompletedProcess[str]]) -> None:
+    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
 
 
 @pytest.fixture
@@ -76,21 +31,8 @@ def aggregator():
 def test_int32_exact_and_float32_within_bound(aggregator: SoftwareAggregator, tmp_path: Path, n: int) -> None:
     k, slots = 256, 8
     tensors = [("int32", 10_000), ("float32", 9_999), ("int32", 1), ("float32", 300_001)]
-    aggregator.add_job(1, n, 0, slots, k, 1)
-    procs = run_workers(aggregator, n, tensors, tmp_path, k=k, slots=slots)
-    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
-    got = results(tmp_path, n, len(tensors))
-    for i, (dtype, size) in enumerate(tensors):
-        want = expected(n, dtype, size, i)
-        for rank in range(n):
-            if dtype == "int32":
-                np.testing.assert_array_equal(got[rank][i], want)
-            else:
-                err = np.abs(got[rank][i].astype(np.float64) - want)
-                assert np.all(err <= float_bound(n, size, i, k)), (
-                    f"rank {rank} tensor {i}: max err {err.max()}"
-                )
-                np.testing.assert_array_equal(got[rank][i], got[0][i])  # every rank gets the same bits
+    ok(run_job(aggregator, 1, n, tensors, tmp_path, slots=slots, k=k))
+    check_results(1, n, k, tensors, tmp_path)
     c = aggregator.counters()
     assert sum(c["drops"].values()) == 0
     assert c["jobs"][1]["multicast"] > 0
@@ -103,42 +45,38 @@ def test_loss_and_duplication_give_identical_results(tmp_path: Path) -> None:
     for lossy in (False, True):
         p = 0.05 if lossy else 0.0
         agg = SoftwareAggregator("127.0.0.1", 0, drop_in=p, dup_in=p, drop_out=p, dup_out=p, seed=7)
-        agg.add_job(1, n, 0, slots, k, 1)
         agg.start()
         try:
             d = tmp_path / str(lossy)
             d.mkdir()
-            procs = run_workers(agg, n, tensors, d, k=k, slots=slots, rto=0.02)
-            assert all(pr.returncode == 0 for pr in procs), [pr.stderr for pr in procs]
-            outs.append(results(d, n, len(tensors)))
+            ok(run_job(agg, 1, n, tensors, d, slots=slots, k=k, rto=0.02))
+            stats = check_results(1, n, k, tensors, d)
             counters = agg.counters()
         finally:
             agg.stop()
         if lossy:
             f = counters["faults"]
             assert f["dropped_in"] > 0 and f["dropped_out"] > 0 and f["duplicated_in"] > 0
-            stats = [json.loads(str(np.load(d / f"rank{r}.npz")["stats"])) for r in range(n)]
             assert sum(s["retransmits"] for s in stats) > 0
             assert counters["jobs"][1]["resent"] > 0
+        outs.append([np.load(d / f"job1_rank{r}.npz") for r in range(n)])
     for rank in range(n):
         for i in range(len(tensors)):
-            np.testing.assert_array_equal(outs[0][rank][i], outs[1][rank][i])
-    np.testing.assert_array_equal(outs[0][0][0], expected(n, "int32", 20_000, 0))
+            np.testing.assert_array_equal(outs[0][rank][f"t{i}"], outs[1][rank][f"t{i}"])
 
 
 def test_killed_worker_makes_the_others_fail_cleanly(aggregator: SoftwareAggregator, tmp_path: Path) -> None:
     n = 3
-    aggregator.add_job(1, n, 0, 4, 64, 1)
-    procs = run_workers(
+    procs = run_job(
         aggregator,
+        1,
         n,
         [("int32", 1_000_000)],
         tmp_path,
         k=64,
         slots=4,
         timeout=2.0,
-        victim=1,
-        die_after_results=20,
+        per_rank={1: {"die_after": 20}},
     )
     assert procs[1].returncode == -9  # SIGKILL, mid-allreduce
     for rank in (0, 2):
@@ -147,14 +85,14 @@ def test_killed_worker_makes_the_others_fail_cleanly(aggregator: SoftwareAggrega
             "SwitchaggTimeout" in procs[rank].stderr
             and "a peer worker or the aggregator is gone" in procs[rank].stderr
         )
-    assert not (tmp_path / "rank0.npz").exists()
+    assert not (tmp_path / "job1_rank0.npz").exists()
 
 
 def test_bad_inputs_are_refused_before_anything_is_sent(aggregator: SoftwareAggregator) -> None:
     from switchagg import Session
 
-    aggregator.add_job(2, 1, 0, 4, 64, 1)
     with Session(2, 0, 1, aggregator.address, 0, 4, 64, timeout=5) as s:
+        aggregator.add_job(2, 1, 0, 4, 64, 1, [s.local_address])
         x = np.ones(1000, np.float32)
         x[777] = np.nan
         with pytest.raises(ValueError, match="element 777 is NaN"):
@@ -182,8 +120,8 @@ def test_torch_tensors_are_reduced_in_place(aggregator: SoftwareAggregator) -> N
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from switchagg import Session
 
-    aggregator.add_job(3, 1, 0, 4, 64, 1)
     with Session(3, 0, 1, aggregator.address, 0, 4, 64, timeout=5) as s:
+        aggregator.add_job(3, 1, 0, 4, 64, 1, [s.local_address])
         t = torch.arange(1000, dtype=torch.int32)
         ptr = t.data_ptr()
         s.allreduce(t)

@@ -114,6 +114,7 @@ def test_float32_sum_within_error_bound(collectives: list[dict[str, Any]]) -> No
 def test_sums_go_through_the_network(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         assert r["list_ok"] and r["async_ok"]
+        assert r["pinned"], "the embedded aggregator took a foreign packet for a rank"
         assert r["network_allreduces"] == 3  # int32, float32, one coalesced list
 
 
@@ -201,11 +202,8 @@ def test_bad_environment_is_a_clear_error(
     if name != "SWITCHAGG_JOB_SERVICE":
         monkeypatch.delenv("SWITCHAGG_JOB_SERVICE", raising=False)
 
-    def share(value: str | None) -> str:
-        raise AssertionError("the environment must be checked before anything is shared")
-
     with pytest.raises(ValueError, match=message):
-        open_data_plane(0, 2, share, "g1")
+        open_data_plane(0, 2, RefusingExchange(), "g1")
 
 
 def test_job_service_needs_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -215,10 +213,18 @@ def test_job_service_needs_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("SWITCHAGG_SECRET", raising=False)
     monkeypatch.delenv("SWITCHAGG_SECRET_FILE", raising=False)
     with pytest.raises(ValueError, match="SWITCHAGG_SECRET"):
-        open_data_plane(0, 2, lambda v: "", "g1")
+        open_data_plane(0, 2, RefusingExchange(), "g1")
     monkeypatch.setenv("SWITCHAGG_SECRET_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="cannot be read"):
-        open_data_plane(0, 2, lambda v: "", "g1")
+        open_data_plane(0, 2, RefusingExchange(), "g1")
+
+
+class RefusingExchange:
+    def share(self, value: str | None) -> str:
+        raise AssertionError("the environment must be checked before anything is shared")
+
+    def gather(self, value: str) -> list[str]:
+        raise AssertionError("the environment must be checked before anything is gathered")
 
 
 def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:

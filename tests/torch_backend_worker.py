@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -96,7 +97,24 @@ def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
     assert work is not None
     value = work.get_future().wait()
     out["async_ok"] = bool(torch.equal(value[0], torch.full((100,), tri - n)))
+    out.update(check_pinned(pg, rank))
     return out
+
+
+def check_pinned(pg: Any, rank: int) -> dict[str, Any]:
+    """The embedded aggregator pinned every rank's address: a well-formed DATA packet for a valid
+    rank from a foreign socket is dropped as spoofed (rank 0 runs the aggregator and tries)."""
+    plane = pg.data_plane
+    if rank != 0:
+        return {"pinned": True}
+    before = plane.aggregator.counters()["drops"]["spoofed"]
+    packet = protocol.Header(job=1, rank=1, slot=0, values=[7] * plane.session.k).pack()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
+        foreign.sendto(packet, plane.session.aggregator)
+    deadline = time.monotonic() + 10
+    while plane.aggregator.counters()["drops"]["spoofed"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"pinned": plane.aggregator.counters()["drops"]["spoofed"] == before + 1}
 
 
 def check_more_groups(pg: Any, rank: int, n: int) -> dict[str, Any]:

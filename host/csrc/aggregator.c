@@ -34,8 +34,8 @@ static const char *const drop_names[SA_DROP_NREASONS] = {"bad_version", "bad_typ
 struct job {
     uint16_t id, gen;
     uint32_t n, base, count, k;
-    int fixed_addrs;                 /* addresses given by the control plane: check sources */
-    uint32_t known;                  /* learnt mode: ranks whose address we have */
+    /* Rank r's address, bound by the control plane: its packets must come from it and its results
+     * go to it. There is no learnt mode: a foreign packet must never count as a rank's contribution. */
     struct sockaddr_in addrs[SA_MAX_WORKERS];
     uint64_t aggregated, multicast, resent, retrans_ignored;
     /* Slot state; index i = local_slot * 2 + set. */
@@ -204,7 +204,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         a->drops[SA_DROP_BAD_RANK]++;
         return;
     }
-    if (j->fixed_addrs && !same_addr(&j->addrs[r], src)) {
+    if (!same_addr(&j->addrs[r], src)) {
         a->drops[SA_DROP_SPOOFED]++;
         return;
     }
@@ -220,10 +220,6 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         return;
     }
     uint32_t bit = 1u << r;
-    if (!j->fixed_addrs) {
-        j->addrs[r] = *src;
-        j->known |= bit;
-    }
 
     uint32_t local = slot - j->base;
     if (j->slot_gen[local] != j->gen) { /* first packet into this slot for this installation */
@@ -251,7 +247,6 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         if (j->cnt[si] == j->n) {
             const uint8_t *out = encode_result(a, j, si);
             for (uint32_t q = 0; q < j->n; q++) {
-                if (!j->fixed_addrs && !(j->known & (1u << q))) continue;
                 queue_result(a, h, (uint16_t)q, j->exp[si], out, 4 * (size_t)k, &j->addrs[q]);
             }
             j->multicast++;
@@ -373,7 +368,7 @@ static int check_open(Aggregator *self) {
 }
 
 static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
-    PyObject *seq = PySequence_Fast(addrs, "addrs must be None or a list of (ip, port) tuples");
+    PyObject *seq = PySequence_Fast(addrs, "addrs must be a list of (ip, port) tuples, one per rank");
     if (seq == NULL) return -1;
     if ((uint32_t)PySequence_Fast_GET_SIZE(seq) != n) {
         PyErr_Format(PyExc_ValueError, "addrs must name one (ip, port) per rank: %u expected, got %zd", n,
@@ -401,6 +396,19 @@ static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
             return -1;
         }
         out[r].sin_port = htons((uint16_t)port);
+        if (out[r].sin_addr.s_addr == htonl(INADDR_ANY)) {
+            PyErr_Format(PyExc_ValueError, "addrs[%u] = %R: 0.0.0.0 is no source address; name the one it sends from",
+                         r, item);
+            Py_DECREF(seq);
+            return -1;
+        }
+        for (uint32_t q = 0; q < r; q++) {
+            if (same_addr(&out[q], &out[r])) { /* else one socket could contribute for two ranks */
+                PyErr_Format(PyExc_ValueError, "addrs[%u] and addrs[%u] are the same address %R", q, r, item);
+                Py_DECREF(seq);
+                return -1;
+            }
+        }
     }
     Py_DECREF(seq);
     return 0;
@@ -409,8 +417,8 @@ static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
 static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs", NULL};
     long long job_id, n, base, count, k, gen;
-    PyObject *addrs = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLL|O", kwlist, &job_id, &n, &base, &count, &k, &gen,
+    PyObject *addrs;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO", kwlist, &job_id, &n, &base, &count, &k, &gen,
                                      &addrs))
         return NULL;
     if (check_open(self) < 0) return NULL;
@@ -435,12 +443,9 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     j->base = (uint32_t)base;
     j->count = (uint32_t)count;
     j->k = (uint32_t)k;
-    if (addrs != Py_None) {
-        if (parse_addrs(addrs, j->n, j->addrs) < 0) {
-            job_free(j);
-            return NULL;
-        }
-        j->fixed_addrs = 1;
+    if (parse_addrs(addrs, j->n, j->addrs) < 0) {
+        job_free(j);
+        return NULL;
     }
     /* calloc: zero state, slot_gen 0 never equals a valid generation */
     j->slot_gen = calloc((size_t)count, sizeof *j->slot_gen);
@@ -687,7 +692,7 @@ static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
 
 static PyMethodDef Aggregator_methods[] = {
     {"add_job", (PyCFunction)(void (*)(void))Aggregator_add_job, METH_VARARGS | METH_KEYWORDS,
-     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs=None): install a job."},
+     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs): install a job; addrs[r] = (ip, port) of rank r."},
     {"remove_job", (PyCFunction)Aggregator_remove_job, METH_VARARGS, "remove_job(job_id): uninstall a job."},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "Counters as a dict (see docs/PROTOCOL.md)."},
     {"run", (PyCFunction)(void (*)(void))Aggregator_run, METH_VARARGS | METH_KEYWORDS,

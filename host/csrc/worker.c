@@ -488,6 +488,9 @@ static PyObject *worker_close(Worker *w, PyObject *unused) {
 }
 
 static PyObject *worker_address(Worker *w, void *unused) {
+    /* Read again: a socket bound to 0.0.0.0 gets its real source address once configure() connects. */
+    socklen_t sl = sizeof w->local;
+    if (w->fd >= 0) getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
     char buf[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &w->local.sin_addr, buf, sizeof buf);
     return Py_BuildValue("(si)", buf, ntohs(w->local.sin_port));
@@ -503,7 +506,7 @@ static PyMethodDef worker_methods[] = {
 };
 
 static PyGetSetDef worker_getset[] = {
-    {"address", (getter)worker_address, NULL, "(ip, port) the socket is bound to", NULL},
+    {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -1,6 +1,9 @@
 """The software aggregator: `_core.Aggregator` served in a daemon thread, and its console script.
 
-switchagg-aggregator --port 48879 --job 7:2:0:32:8192 --stats-interval 5
+switchagg-aggregator --port 48879 --job 7:2:0:32:8192@127.0.0.1:5000,127.0.0.1:5001 --stats-interval 5
+
+Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
+address and its results go only there (docs/PROTOCOL.md, Security).
 """
 
 from __future__ import annotations
@@ -62,13 +65,11 @@ class SoftwareAggregator:
         slot_base: int,
         slot_count: int,
         k: int,
-        generation: int = 1,
-        addrs: Sequence[tuple[str, int]] | None = None,
+        generation: int,
+        addrs: Sequence[tuple[str, int]],
     ) -> None:
-        """Install a job; with ``addrs`` rank r's packets must come from ``addrs[r]`` (else: learnt)."""
-        self._agg.add_job(
-            job_id, n, slot_base, slot_count, k, generation, None if addrs is None else list(addrs)
-        )
+        """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there."""
+        self._agg.add_job(job_id, n, slot_base, slot_count, k, generation, list(addrs))
 
     def remove_job(self, job_id: int) -> None:
         self._agg.remove_job(job_id)
@@ -128,18 +129,38 @@ def format_counters(c: Counters) -> str:
     return "\n".join(lines)
 
 
-def parse_job(spec: str) -> tuple[int, int, int, int, int, int]:
-    """ID:N:BASE:COUNT:K[:GEN] -> (job_id, n, slot_base, slot_count, k, generation)."""
-    parts = spec.split(":")
+JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int]]]
+JOB_SYNTAX = "ID:N:BASE:COUNT:K[:GEN]@IP:PORT,IP:PORT,..."
+
+
+def parse_job(spec: str) -> JobSpec:
+    """ID:N:BASE:COUNT:K[:GEN]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation, addrs)."""
+    numbers, at, addr_list = spec.partition("@")
+    if not at or not addr_list:
+        raise argparse.ArgumentTypeError(
+            f"--job {spec!r} names no rank addresses: append @IP:PORT,... with one address per rank "
+            f"({JOB_SYNTAX}); packets are accepted only from the addresses the job names"
+        )
+    parts = numbers.split(":")
     if len(parts) not in (5, 6):
-        raise argparse.ArgumentTypeError(f"--job {spec!r}: expected ID:N:BASE:COUNT:K[:GEN]")
+        raise argparse.ArgumentTypeError(f"--job {spec!r}: expected {JOB_SYNTAX}")
     try:
         nums = [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--job {spec!r}: every field must be an integer") from None
     if len(nums) == 5:
         nums.append(1)
-    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5])
+    addrs = []
+    for item in addr_list.split(","):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"--job {spec!r}: {item!r} is not IP:PORT")
+        addrs.append((host, int(port)))
+    if len(addrs) != nums[1]:
+        raise argparse.ArgumentTypeError(
+            f"--job {spec!r}: {nums[1]} ranks but {len(addrs)} addresses (one per rank, in rank order)"
+        )
+    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs)
 
 
 def _probability(text: str) -> float:
@@ -161,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=parse_job,
         default=[],
-        metavar="ID:N:BASE:COUNT:K[:GEN]",
-        help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}; GEN defaults to 1",
+        metavar=JOB_SYNTAX,
+        help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}@127.0.0.1:5000,"
+        "127.0.0.1:5001; GEN defaults to 1; rank r's packets are accepted only from the r-th address",
     )
     p.add_argument(
         "--drop-in", type=_probability, default=0.0, help="drop received datagrams with this probability"

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import sys
 import time
+from multiprocessing.synchronize import Event as EventType
 
 import numpy as np
 
@@ -21,7 +23,7 @@ def _inputs(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(-(2**20), 2**20, size, dtype=np.int32), rng.standard_normal(size, dtype=np.float32)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> None:
+def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue, go: EventType) -> None:
     from switchagg import Session
 
     xi, xf = _inputs(rank, args.size)
@@ -29,6 +31,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> No
         with Session(
             1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout
         ) as s:
+            # The aggregator accepts this rank only from the address it registers before the job starts.
+            out.put(("address", rank, s.local_address))
+            if not go.wait(args.timeout):
+                raise TimeoutError("the job was not installed on the aggregator")
             times = []
             for _ in range(args.iters):
                 yi, yf = xi.copy(), xf.copy()
@@ -43,9 +49,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue) -> No
             err = float(np.max(np.abs(yf - exact_f)))
             peak = max(float(np.max(np.abs(f))) for _, f in every)
             bound = protocol.error_bound(args.workers, int(np.frexp(peak)[1]))
-            out.put((rank, int_ok, err <= bound, err, min(times), s.stats(), ""))
+            out.put(("result", rank, int_ok, err <= bound, err, min(times), s.stats(), ""))
     except Exception as e:  # reported by the parent, which decides the exit code
-        out.put((rank, False, False, float("inf"), 0.0, {}, f"{type(e).__name__}: {e}"))
+        out.put(("result", rank, False, False, float("inf"), 0.0, {}, f"{type(e).__name__}: {e}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     from switchagg.aggregator import SoftwareAggregator
 
     agg = SoftwareAggregator("127.0.0.1", 0, drop_in=args.drop, drop_out=args.drop)
-    agg.add_job(1, args.workers, 0, args.slots, args.k, 1)
     agg.start()
     port = agg.address[1]
     print(
@@ -70,17 +75,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, out)) for r in range(args.workers)]
+    go = ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(r, args, port, out, go)) for r in range(args.workers)]
     for proc in procs:
         proc.start()
+    addrs: dict[int, tuple[str, int]] = {}
     results: list[tuple[int, bool, bool, float, float, dict[str, int], str]] = []
     deadline = time.monotonic() + args.timeout * (args.iters + 2) + 60
     while len(results) < args.workers and time.monotonic() < deadline:
         try:
-            results.append(out.get(timeout=1.0))
-        except Exception:
+            kind, rank, *rest = out.get(timeout=1.0)
+        except queue.Empty:
             if not any(proc.is_alive() for proc in procs) and out.empty():
                 break
+            continue
+        if kind == "address":
+            addrs[rank] = rest[0]
+            if len(addrs) == args.workers:  # every rank is bound: pin them and start the job
+                agg.add_job(
+                    1, args.workers, 0, args.slots, args.k, 1, [addrs[r] for r in range(args.workers)]
+                )
+                go.set()
+        else:
+            results.append((rank, *rest))
     for proc in procs:
         proc.join(timeout=5)
         if proc.is_alive():

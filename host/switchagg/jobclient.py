@@ -1,9 +1,11 @@
 """The worker side of the controller's job service: join a job, heartbeat, leave.
 
 a = join("127.0.0.1:50051", secret, "resnet", world_size=4, ip="10.0.0.1", udp_port=40001)
-with Heartbeat("127.0.0.1:50051", secret, a):
-    ...  # Session(a.job_id, a.rank, ...) and allreduce
-leave("127.0.0.1:50051", secret, a)
+membership = Membership("127.0.0.1:50051", secret, a).start()   # heartbeats from a thread
+...  # Session(a.job_id, a.rank, ...) and allreduce
+membership.end()                                                  # stops them and leaves
+
+Session.from_job_service does all of this for the session's lifetime.
 """
 
 from __future__ import annotations
@@ -148,3 +150,22 @@ class Heartbeat:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class Membership:
+    """A worker's place in a job: heartbeats while it lasts, leaves the job at end()."""
+
+    def __init__(self, service: str, secret: str, assignment: Assignment, interval: float = 2.0) -> None:
+        self.service, self.secret, self.assignment = service, secret, assignment
+        self.heartbeat = Heartbeat(service, secret, assignment, interval)
+
+    def start(self) -> Membership:
+        self.heartbeat.start()
+        return self
+
+    def end(self) -> None:
+        self.heartbeat.stop()
+        try:
+            leave(self.service, self.secret, self.assignment)
+        except JobServiceError:
+            pass  # the job is gone already (torn down, reaped, service restarted): nothing to leave

@@ -76,6 +76,7 @@ class Session:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._membership: Any = None  # jobclient.Membership when joined through the job service
 
     @classmethod
     def from_job_service(
@@ -108,6 +109,9 @@ class Session:
         )
         session.data_plane = a.data_plane
         session.assignment = a
+        # The membership lives as long as the session: heartbeats keep idle phases from being
+        # reaped, and close() leaves the job.
+        session._membership = jobclient.Membership(service, secret, a).start()
         return session
 
     @property
@@ -143,6 +147,9 @@ class Session:
             self._executor.shutdown(wait=True)
         with self._lock:
             self._worker.close()
+        membership, self._membership = self._membership, None
+        if membership is not None:
+            membership.end()
 
     def __enter__(self) -> Session:
         return self

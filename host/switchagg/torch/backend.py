@@ -15,7 +15,7 @@ from switchagg.torch.dataplane import DataPlane, open_data_plane
 from switchagg.torch.work import FutureWork, completed_work
 
 BACKEND_NAME = "switchagg"
-AGGREGATOR_KEY = "switchagg/aggregator"
+EXCHANGE_PREFIX = "switchagg/exchange"
 SUPPORTED_DTYPES = (torch.float32, torch.int32)
 
 
@@ -45,7 +45,8 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._lock = threading.Lock()
-        self._plane: DataPlane | None = open_data_plane(rank, size, _store_share(store), group_tag)
+        exchange = StoreExchange(store, rank, size)
+        self._plane: DataPlane | None = open_data_plane(rank, size, exchange, group_tag)
         atexit.register(self.close)
 
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
@@ -115,14 +116,27 @@ def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
     return opts
 
 
-def _store_share(store: dist.Store) -> Any:
-    def share(value: str | None) -> str:
-        if value is not None:
-            store.set(AGGREGATOR_KEY, value)
-            return value
-        return store.get(AGGREGATOR_KEY).decode()  # blocks up to the store's timeout
+class StoreExchange:
+    """The data plane's start-up exchange over the group's c10d store (one key per round and rank)."""
 
-    return share
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self.round = 0
+
+    def _key(self, who: str) -> str:
+        return f"{EXCHANGE_PREFIX}{self.round}/{who}"
+
+    def share(self, value: str | None) -> str:
+        self.round += 1
+        if value is not None:
+            self.store.set(self._key("0"), value)
+            return value
+        return self.store.get(self._key("0")).decode()  # blocks up to the store's timeout
+
+    def gather(self, value: str) -> list[str]:
+        self.round += 1
+        self.store.set(self._key(str(self.rank)), value)
+        return [self.store.get(self._key(str(r))).decode() for r in range(self.size)]
 
 
 def create_process_group(

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from switchagg import protocol
 
 if TYPE_CHECKING:
-    from switchagg import jobclient
     from switchagg.aggregator import SoftwareAggregator
     from switchagg.session import Session
 
@@ -20,34 +18,30 @@ EMBEDDED_JOB = 1
 # Published instead of an address when rank 0 failed to start the aggregator.
 FAILED_MARK = "!"
 
-# share(value): rank 0 passes the string to publish and gets it back; the other ranks pass None
-# and get rank 0's string. The backend implements it with the c10d store, the hook with a broadcast.
-Share = Callable[[str | None], str]
+
+class Exchange(Protocol):
+    """How the ranks of a group swap small strings while the data plane opens: the backend uses
+    the c10d store, the hook the process group's own collectives. Each call is collective."""
+
+    def share(self, value: str | None) -> str:
+        """Rank 0 passes the string to publish and gets it back; the others pass None and get it."""
+        ...
+
+    def gather(self, value: str) -> list[str]:
+        """Every rank passes its string; every rank gets the list in rank order."""
+        ...
 
 
 @dataclass
 class DataPlane:
-    """One rank's Session, plus what keeps its job alive: the aggregator this rank runs (embedded
-    mode, rank 0), or the job service membership (heartbeats so idle phases are not reaped)."""
+    """One rank's Session, plus the aggregator this rank runs (embedded mode, rank 0). In job
+    service mode the session itself heartbeats and leaves the job when closed."""
 
     session: Session
     aggregator: SoftwareAggregator | None = None
-    heartbeat: jobclient.Heartbeat | None = None
-    service: tuple[str, str] | None = None  # (address, secret) to leave the job on close
 
     def close(self) -> None:
         self.session.close()
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            self.heartbeat = None
-        if self.service is not None:
-            from switchagg import jobclient  # needs grpc: imported only in job service mode
-
-            service, self.service = self.service, None
-            try:
-                jobclient.leave(service[0], service[1], self.session.assignment)
-            except jobclient.JobServiceError:
-                pass  # the job is gone already (torn down, reaped, service restarted): nothing to leave
         if self.aggregator is not None:
             self.aggregator.stop()
             self.aggregator = None
@@ -122,69 +116,90 @@ def _worker_bind(aggregator_host: str) -> tuple[str, int]:
     return ("127.0.0.1", 0) if aggregator_host.startswith("127.") else ("0.0.0.0", 0)
 
 
-def _start_aggregator(world_size: int, slots: int, k: int) -> SoftwareAggregator:
+def _start_aggregator() -> SoftwareAggregator:
     from switchagg.aggregator import SoftwareAggregator
 
-    aggregator = SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0)
-    aggregator.start()
+    return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0).start()
+
+
+def _published(text: str, what: str) -> str:
+    if text.startswith(FAILED_MARK):
+        raise RuntimeError(f"rank 0 could not {what}: {text[1:]}")
+    return text
+
+
+def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: float) -> DataPlane:
+    """Rank 0 runs the aggregator; the job is installed only once every rank's address is known, so
+    that the aggregator accepts each rank from its own socket alone (docs/PROTOCOL.md, Security)."""
+    from switchagg.session import Session
+
+    k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
+    slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
+    aggregator = None
+    session = None
     try:
-        aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, random.randint(1, 0xFFFF))
+        if rank == 0:
+            try:
+                aggregator = _start_aggregator()
+            except Exception as e:
+                exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
+                raise
+            host, port = aggregator.address
+            address = parse_host_port(exchange.share(f"{host}:{port}"), "aggregator address")
+        else:
+            published = _published(exchange.share(None), "start the switchagg aggregator")
+            address = parse_host_port(published, "published aggregator address")
+        try:
+            session = Session(
+                EMBEDDED_JOB,
+                rank,
+                world_size,
+                address,
+                slot_base=0,
+                slot_count=slots,
+                k=k,
+                timeout=timeout,
+                bind=_worker_bind(address[0]),
+            )
+            mine = "{}:{}".format(*session.local_address)
+        except Exception as e:
+            mine = f"{FAILED_MARK}rank {rank}: {e!r}"
+        addresses = exchange.gather(mine)
+        failed = [a[1:] for a in addresses if a.startswith(FAILED_MARK)]
+        if failed:
+            raise RuntimeError(f"switchagg ranks could not open their sockets: {'; '.join(failed)}")
+        if aggregator is not None:
+            try:
+                pinned = [parse_host_port(a, f"rank {r}'s address") for r, a in enumerate(addresses)]
+                aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, random.randint(1, 0xFFFF), pinned)
+            except Exception as e:
+                exchange.share(f"{FAILED_MARK}{e!r}")
+                raise
+            exchange.share("installed")
+        else:
+            _published(exchange.share(None), "install the switchagg job")
     except BaseException:
-        aggregator.stop()
+        if session is not None:
+            session.close()
+        if aggregator is not None:
+            aggregator.stop()
         raise
-    return aggregator
+    assert session is not None  # a rank without a session raised above
+    return DataPlane(session, aggregator)
 
 
-def open_data_plane(rank: int, world_size: int, share: Share, group_tag: str) -> DataPlane:
+def open_data_plane(rank: int, world_size: int, exchange: Exchange, group_tag: str) -> DataPlane:
     """Open this rank's data plane; collective: every rank of the group must call it."""
     from switchagg.session import Session
 
     timeout = session_timeout()
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
-    if service:
-        service_host, _ = parse_host_port(service, "SWITCHAGG_JOB_SERVICE")
-        name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
-        bind = _worker_bind(service_host)
-        from switchagg import jobclient
-
-        secret = _read_secret()
-        session = Session.from_job_service(
-            service, secret, name, world_size, rank=rank, bind=bind, timeout=timeout
-        )
-        heartbeat = jobclient.Heartbeat(service, secret, session.assignment).start()
-        return DataPlane(session, heartbeat=heartbeat, service=(service, secret))
-
-    k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
-    slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
-    aggregator = None
-    if rank == 0:
-        try:
-            aggregator = _start_aggregator(world_size, slots, k)
-        except Exception as e:
-            share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
-            raise
-        host, port = aggregator.address
-        share(f"{host}:{port}")
-        address = (host, port)
-    else:
-        published = share(None)
-        if published.startswith(FAILED_MARK):
-            raise RuntimeError(f"rank 0 could not start the switchagg aggregator: {published[1:]}")
-        address = parse_host_port(published, "published aggregator address")
-    try:
-        session = Session(
-            EMBEDDED_JOB,
-            rank,
-            world_size,
-            address,
-            slot_base=0,
-            slot_count=slots,
-            k=k,
-            timeout=timeout,
-            bind=_worker_bind(address[0]),
-        )
-    except BaseException:
-        if aggregator is not None:
-            aggregator.stop()
-        raise
-    return DataPlane(session, aggregator)
+    if not service:
+        return _open_embedded(rank, world_size, exchange, timeout)
+    service_host, _ = parse_host_port(service, "SWITCHAGG_JOB_SERVICE")
+    name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
+    bind = _worker_bind(service_host)
+    secret = _read_secret()
+    return DataPlane(
+        Session.from_job_service(service, secret, name, world_size, rank=rank, bind=bind, timeout=timeout)
+    )

@@ -10,9 +10,28 @@ import torch.distributed as dist
 from switchagg.torch.dataplane import DataPlane, open_data_plane
 
 
+class GroupExchange:
+    """The data plane's start-up exchange over the process group's own collectives."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def share(self, value: str | None) -> str:
+        box: list[str | None] = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if box[0] is None:
+            raise RuntimeError("rank 0 published nothing")
+        return box[0]
+
+    def gather(self, value: str) -> list[str]:
+        values: list[str] = [""] * dist.get_world_size(self.group)
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+
 class SwitchaggHookState:
     """Owns this rank's switchagg data plane; collective: every rank of the group creates one,
-    after init_process_group and in the same order (the aggregator address goes out by broadcast)."""
+    after init_process_group and in the same order (addresses are exchanged over the group)."""
 
     _created = 0
 
@@ -26,14 +45,7 @@ class SwitchaggHookState:
         SwitchaggHookState._created += 1
         tag = f"hook{SwitchaggHookState._created}"
 
-        def share(value: str | None) -> str:
-            box: list[str | None] = [value]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            if box[0] is None:
-                raise RuntimeError("rank 0 published no aggregator address")
-            return box[0]
-
-        self.plane: DataPlane | None = open_data_plane(self.rank, self.world_size, share, tag)
+        self.plane: DataPlane | None = open_data_plane(self.rank, self.world_size, GroupExchange(group), tag)
         atexit.register(self.close)
 
     def close(self) -> None:

@@ -1,0 +1,57 @@
+"""Seeded inputs that every process can rebuild, and the checks of allreduce results against them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from switchagg import protocol
+
+
+def inputs(job: int, rank: int, size: int, dtype: str, seed: int) -> np.ndarray:
+    """Rank ``rank``'s tensor; int32 values are large enough that sums of 8 wrap around."""
+    rng = np.random.default_rng([seed, job, rank])
+    if dtype == "int32":
+        return rng.integers(-(2**28), 2**28, size, dtype=np.int32)
+    return (rng.standard_normal(size) * (rank + 1)).astype(np.float32)
+
+
+def result_file(out: Path, job: int, rank: int) -> Path:
+    return out / f"job{job}_rank{rank}.npz"
+
+
+def float_bound(xs: list[np.ndarray], k: int) -> np.ndarray:
+    """protocol.error_bound per element: E is the block's max exponent over all ranks' inputs."""
+    peak = np.max([np.abs(x) for x in xs], axis=0)
+    blocks = (peak.size + k - 1) // k
+    padded = np.zeros(blocks * k, np.float32)
+    padded[: peak.size] = peak
+    e = np.frexp(padded.reshape(blocks, k).max(axis=1))[1]
+    return np.repeat([protocol.error_bound(len(xs), int(x)) for x in e], k)[: peak.size]
+
+
+def check_results(
+    job: int, n: int, k: int, tensors: list[tuple[str, int]], out: Path, seed: int = 0
+) -> list[dict[str, int]]:
+    """Asserts every rank holds the exact int32 sum (float32: within the documented bound, and the
+    same bits on every rank); returns each rank's session stats."""
+    files = [np.load(result_file(out, job, r)) for r in range(n)]
+    for i, (dtype, size) in enumerate(tensors):
+        xs = [inputs(job, r, size, dtype, seed + i) for r in range(n)]
+        if dtype == "int32":
+            want = np.sum([x.astype(np.int64) for x in xs], axis=0).astype(np.int32)  # wraps like int32
+        else:
+            exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            bound = float_bound(xs, k)
+        for r in range(n):
+            got = files[r][f"t{i}"]
+            where = f"job {job} rank {r} tensor {i} ({dtype}, {size})"
+            if dtype == "int32":
+                assert np.array_equal(got, want), f"{where}: int32 sum differs"
+            else:
+                bad = np.abs(got.astype(np.float64) - exact) > bound
+                assert not bad.any(), f"{where}: {int(bad.sum())} elements off the bound"
+                assert np.array_equal(got, files[0][f"t{i}"]), f"{where}: differs from rank 0's bits"
+    return [json.loads(str(f["stats"])) for f in files]

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from switchagg import protocol
 from switchagg.aggregator import SoftwareAggregator
-from switchagg.testing.checks import check_results
+from switchagg.testing.checks import check_results, inputs
 from switchagg.testing.local import run_job
 
 
@@ -130,6 +131,32 @@ def test_torch_tensors_are_reduced_in_place(aggregator: SoftwareAggregator) -> N
         s.allreduce(g.grad if g.grad is not None else torch.zeros(3))
         with pytest.raises(TypeError, match="float32 and int32"):
             s.allreduce(torch.ones(4, dtype=torch.float64))
+
+
+def test_a_small_receive_buffer_shrinks_the_window_instead_of_losing_results(
+    aggregator: SoftwareAggregator,
+) -> None:
+    """16 slots of 64 KiB results do not fit a 200 kB receive buffer: the session warns, keeps as
+    many in flight as fit, and a loss-free run needs no retransmission."""
+    from switchagg import Session
+
+    n, slots, k = 2, 16, protocol.DEFAULT_SW_K
+    with pytest.warns(RuntimeWarning, match="too small for the results of 16 slots"):
+        sessions = [Session(1, r, n, aggregator.address, 0, slots, k, rcvbuf=200_000) for r in range(n)]
+    try:
+        assert all(1 <= s.window < slots for s in sessions)
+        aggregator.add_job(1, n, 0, slots, k, 1, [s.local_address for s in sessions])
+        xs = [inputs(1, r, 40 * k + 3, "int32", 5) for r in range(n)]
+        want = np.sum([x.astype(np.int64) for x in xs], axis=0).astype(np.int32)
+        futures = [s.allreduce_async(x) for s, x in zip(sessions, xs, strict=True)]
+        for f in futures:
+            f.result(timeout=60)
+        for x in xs:
+            np.testing.assert_array_equal(x, want)
+        assert [s.stats()["retransmits"] for s in sessions] == [0] * n
+    finally:
+        for s in sessions:
+            s.close()
 
 
 def test_demo_command_runs() -> None:

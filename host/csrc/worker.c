@@ -26,6 +26,7 @@ typedef struct {
     uint64_t rto;      /* current retransmission timeout, ns */
     uint64_t sent_at;  /* ns: first transmission of the outstanding packet */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
+    int queued;        /* its packet is built but waits for room in the window */
 } slot_t;
 
 typedef struct {
@@ -38,6 +39,8 @@ typedef struct {
     /* job */
     uint16_t job, rank;
     int n, slot_base, slot_count, k;
+    int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
+    int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
     uint8_t *sets; /* per slot: the shadow set of its next round, kept across allreduces */
     uint8_t *pkts; /* per slot: the outstanding packet */
     uint8_t *rx;   /* BATCH receive buffers */
@@ -66,13 +69,17 @@ static void worker_dealloc(Worker *w) {
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
-/* Worker(host="127.0.0.1", port=0): bind the socket now, so its address can be registered
+/* Worker(host="127.0.0.1", port=0, rcvbuf=0): bind the socket now, so its address can be registered
  * with the control plane before the job is configured. */
 static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", NULL};
+    static char *kwlist[] = {"host", "port", "rcvbuf", NULL};
     const char *host = "127.0.0.1";
-    int port = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|si", kwlist, &host, &port)) return -1;
+    int port = 0, rcvbuf = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|sii", kwlist, &host, &port, &rcvbuf)) return -1;
+    if (rcvbuf < 0) {
+        PyErr_Format(PyExc_ValueError, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
+        return -1;
+    }
     w->fd = -1;
     memset(&w->local, 0, sizeof w->local);
     w->local.sin_family = AF_INET;
@@ -89,6 +96,7 @@ static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
     socklen_t sl = sizeof w->local;
     getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
     sa_set_sockbuf(w->fd, 16 << 20);
+    if (rcvbuf > 0) (void)setsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
     return 0;
 }
 
@@ -132,6 +140,15 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     w->slot_base = base;
     w->slot_count = count;
     w->k = k;
+    /* Every outstanding slot's result may sit in the receive queue at once; a datagram costs about
+     * twice its size there (skb overhead, measured on loopback). A window the buffer cannot hold
+     * would lose results silently and make every round a retransmission: send fewer at a time. */
+    int rcvbuf = 0;
+    socklen_t ol = sizeof rcvbuf;
+    if (getsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &ol) != 0) rcvbuf = 0;
+    size_t fits = (size_t)rcvbuf / (2 * w->pkt_len + 1024);
+    w->rcvbuf = rcvbuf;
+    w->window = fits >= (size_t)count ? count : (fits < 1 ? 1 : (int)fits);
     w->rto_ns = (uint64_t)(rto * 1e9);
     w->rto_max_ns = (uint64_t)(rto_max * 1e9);
     w->timeout_ns = (uint64_t)(timeout * 1e9);
@@ -151,6 +168,7 @@ typedef struct {
     int8_t *exp_local, *exp_max; /* per chunk */
     slot_t *slots;
     size_t active, done;
+    size_t outstanding; /* sent and unanswered, at most w->window */
     size_t bad_index;
 } run_t;
 
@@ -274,12 +292,29 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
         }
         s->chunk = next;
     }
-    s->rto = current_rto(w);
-    s->deadline = now + s->rto;
-    s->sent_at = now;
-    s->retried = 0;
+    s->queued = 1;
     build_packet(r, i);
     return 1;
+}
+
+/* Move queued slots into the window, lowest chunk first, and append them to `out`. */
+static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
+    Worker *w = r->w;
+    while (r->outstanding < (size_t)w->window) {
+        long best = -1;
+        for (size_t i = 0; i < r->active; i++)
+            if (r->slots[i].queued && (best < 0 || r->slots[i].chunk < r->slots[best].chunk)) best = (long)i;
+        if (best < 0) break;
+        slot_t *s = &r->slots[best];
+        s->queued = 0;
+        s->rto = current_rto(w);
+        s->deadline = now + s->rto;
+        s->sent_at = now;
+        s->retried = 0;
+        r->outstanding++;
+        out[nout++] = (size_t)best;
+    }
+    return nout;
 }
 
 /* Is this datagram the answer to slot's outstanding request? Returns the slot index or -1. */
@@ -293,7 +328,7 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len) {
     long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
     if (i < 0 || (size_t)i >= r->active) return -1;
     const slot_t *s = &r->slots[i];
-    if (s->phase == SLOT_DONE || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != w->sets[i]) return -1;
+    if (s->phase == SLOT_DONE || s->queued || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != w->sets[i]) return -1;
     if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * (size_t)w->k)) return -1;
     if ((h->flags & SA_FLAG_PRIME) != (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0)) return -1;
     return i;
@@ -330,13 +365,10 @@ static int run_allreduce(run_t *r) {
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;
         r->slots[i].phase = r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
-        r->slots[i].rto = current_rto(w);
-        r->slots[i].deadline = now + r->slots[i].rto;
-        r->slots[i].sent_at = now;
+        r->slots[i].queued = 1;
         build_packet(r, i);
-        queue[i] = i;
     }
-    if (send_slots(r, queue, r->active) < 0) {
+    if (send_slots(r, queue, release(r, now, queue, 0)) < 0) {
         free(queue);
         return RUN_OSERROR;
     }
@@ -377,8 +409,10 @@ static int run_allreduce(run_t *r) {
                 }
                 w->results++;
                 last_progress = now;
-                if (advance_slot(r, (size_t)i, pkt, now)) queue[nq++] = (size_t)i;
+                r->outstanding--;
+                advance_slot(r, (size_t)i, pkt, now);
             }
+            nq = release(r, now, queue, 0);
         }
         if (nq && send_slots(r, queue, nq) < 0) {
             rc = RUN_OSERROR;
@@ -390,7 +424,7 @@ static int run_allreduce(run_t *r) {
             uint64_t soonest = now + w->rto_max_ns;
             for (size_t i = 0; i < r->active; i++) {
                 slot_t *s = &r->slots[i];
-                if (s->phase == SLOT_DONE) continue;
+                if (s->phase == SLOT_DONE || s->queued) continue;
                 if (s->deadline <= now) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
                     s->deadline = now + s->rto;
@@ -496,6 +530,10 @@ static PyObject *worker_address(Worker *w, void *unused) {
     return Py_BuildValue("(si)", buf, ntohs(w->local.sin_port));
 }
 
+static PyObject *worker_window(Worker *w, void *unused) { return PyLong_FromLong(w->configured ? w->window : 0); }
+
+static PyObject *worker_rcvbuf(Worker *w, void *unused) { return PyLong_FromLong(w->rcvbuf); }
+
 static PyMethodDef worker_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0)"},
@@ -507,6 +545,8 @@ static PyMethodDef worker_methods[] = {
 
 static PyGetSetDef worker_getset[] = {
     {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
+    {"window", (getter)worker_window, NULL, "packets in flight at most (the job's slots, fewer if SO_RCVBUF is small)", NULL},
+    {"rcvbuf", (getter)worker_rcvbuf, NULL, "the receive buffer the kernel granted, bytes", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

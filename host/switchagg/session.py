@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -52,9 +53,12 @@ class Session:
         bind: tuple[str, int] = ("127.0.0.1", 0),
         rto: float = 0.05,
         rto_max: float = 1.0,
+        rcvbuf: int = 0,
         _worker: _core.Worker | None = None,
     ) -> None:
-        self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1])
+        """``rcvbuf``: the socket's receive buffer in bytes (0: as large as the system allows); a
+        buffer too small for the job's window shrinks the window, with a warning."""
+        self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1], rcvbuf)
         self._worker.configure(
             aggregator[0],
             aggregator[1],
@@ -68,6 +72,15 @@ class Session:
             rto_max=rto_max,
             timeout=timeout,
         )
+        if self._worker.window < slot_count:
+            warnings.warn(
+                f"switchagg: the socket's receive buffer is {self._worker.rcvbuf} bytes (the rcvbuf asked "
+                f"for, or net.core.rmem_max), too small for the results of {slot_count} slots of K={k}; "
+                f"sending {self._worker.window} at a time instead. Raise net.core.rmem_max to at least "
+                f"{slot_count * (2 * (protocol.HEADER_LEN + 4 * k) + 1024) // 2} for the full window.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.job, self.rank, self.world_size, self.k = job, rank, world_size, k
         self.aggregator = aggregator
         self.slot_base, self.slot_count = slot_base, slot_count
@@ -113,6 +126,11 @@ class Session:
         # reaped, and close() leaves the job.
         session._membership = jobclient.Membership(service, secret, a).start()
         return session
+
+    @property
+    def window(self) -> int:
+        """Packets in flight at most: the job's slot count, or fewer if the receive buffer is small."""
+        return int(self._worker.window)
 
     @property
     def local_address(self) -> tuple[str, int]:

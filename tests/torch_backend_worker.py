@@ -299,7 +299,57 @@ def scenario_bad_aggregator(rank: int, n: int, out_dir: Path) -> None:
             time.sleep(0.05)
 
 
+def scenario_stress(rank: int, n: int, out_dir: Path) -> None:
+    """Delegated collectives interleaved with network allreduces in flight and DDP steps."""
+    iterations = int(os.environ.get("STRESS_ITERATIONS", "200"))
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    ddp = DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    size = 2 * K + 5
+    wrong: list[str] = []
+    tri = n * (n - 1) // 2
+    for it in range(iterations):
+        t = torch.full((size,), it, dtype=torch.int32) + rank
+        work = dist.all_reduce(t, async_op=True)  # in flight while gloo runs the delegated ones
+        assert work is not None
+        bc = torch.full((4,), float(rank))
+        dist.broadcast(bc, src=it % n)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(gathered, torch.tensor([rank, it]))
+        objs: list[Any] = [None] * n
+        dist.all_gather_object(objs, (rank, it))
+        rs = torch.zeros(3)
+        dist.reduce_scatter(rs, [torch.full((3,), float(rank + r)) for r in range(n)])
+        dist.barrier()
+        work.wait()
+        s = torch.full((size,), it, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(s)
+        if it % 10 == 0:
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+        checks = {
+            "network int32": torch.equal(t, torch.full((size,), n * it + tri, dtype=torch.int32)),
+            "network float32": torch.allclose(s, torch.full((size,), float(it * n * (n + 1) // 2))),
+            "broadcast": torch.equal(bc, torch.full((4,), float(it % n))),
+            "all_gather": [g.tolist() for g in gathered] == [[r, it] for r in range(n)],
+            "all_gather_object": objs == [(r, it) for r in range(n)],
+            "reduce_scatter": torch.equal(rs, torch.full((3,), float(tri + n * rank))),
+        }
+        wrong += [f"iteration {it}: {name}" for name, good in checks.items() if not good]
+    dist.barrier()
+    result = {
+        "iterations": iterations,
+        "wrong": wrong[:20],
+        "network_allreduces": network_allreduces(pg),
+    }
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
+    "stress": scenario_stress,
     "bad_aggregator": scenario_bad_aggregator,
     "collectives": scenario_collectives,
     "killed_peer": scenario_killed_peer,

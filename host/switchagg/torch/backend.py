@@ -29,12 +29,45 @@ def network_reducible(tensors: list[torch.Tensor], op: Any) -> bool:
     )
 
 
-class ProcessGroupSwitchagg(dist.ProcessGroup):
-    """A Python ProcessGroup whose registered CPU backend is gloo.
+# Every collective the inner gloo backend has, called on it from Python. They must not fall through
+# to the C++ ProcessGroup: its Python trampoline calls gloo's enqueue with the GIL held, and a gloo
+# worker thread destroying a finished work holds gloo's queue mutex while it waits for the GIL to
+# release the work's tensors; both block forever (seen as a hang in all_gather after an allreduce).
+# gloo's own bindings release the GIL before they enqueue.
+DELEGATED = (
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "gather",
+    "scatter",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "recv_anysource",
+)
 
-    Only allreduce/allreduce_coalesced are overridden; every other collective falls through to
-    the C++ ProcessGroup, which dispatches to the registered gloo backend, so DDP's broadcasts,
-    barriers and allgathers work unchanged.
+
+def _delegate(name: str) -> Any:
+    def collective(self: ProcessGroupSwitchagg, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._gloo, name)(*args, **kwargs)
+
+    collective.__name__ = name
+    collective.__doc__ = f"{name} on the inner gloo backend."
+    return collective
+
+
+class ProcessGroupSwitchagg(dist.ProcessGroup):
+    """A Python ProcessGroup: SUM allreduces of float32/int32 go to the network, every other
+    collective explicitly to an inner gloo backend (DELEGATED), so DDP's broadcasts, barriers
+    and allgathers work unchanged. gloo is also registered as the group's CPU backend, for the
+    c10d helpers that ask a group for its backend (sequence numbers, object collectives).
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str) -> None:
@@ -108,6 +141,10 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
             return tensors
 
         return FutureWork(session.allreduce_async(flat), scatter_back)
+
+
+for _name in DELEGATED:
+    setattr(ProcessGroupSwitchagg, _name, _delegate(_name))
 
 
 def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:

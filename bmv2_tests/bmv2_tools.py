@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 EXTRA_BIN_DIRS = (Path("/opt/p4/bin"), Path("/usr/local/bin"))
+# What the namespaces, loss injection and checksum offload need, and the Debian package of each.
+SYSTEM_TOOLS = (("ip", "iproute2"), ("nft", "nftables"), ("ethtool", "ethtool"))
 
 
 def find_tool(name: str) -> str | None:
@@ -28,9 +30,9 @@ def missing_for_switch() -> str | None:
     """Why the bmv2 tests cannot run here, or None when they can."""
     if os.geteuid() != 0:
         return "bmv2 tests need root (network namespaces and veth pairs)"
-    for tool in ("ip", "nft", "ethtool"):
-        if shutil.which(tool) is None:
-            return f"bmv2 tests need `{tool}` on PATH (apt install iproute2 nftables ethtool)"
+    missing = [f"`{tool}` (apt install {pkg})" for tool, pkg in SYSTEM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"bmv2 tests need {' and '.join(missing)} on PATH"
     for tool in ("simple_switch_grpc", "simple_switch_CLI"):
         if find_tool(tool) is None:
             return f"bmv2 tests need {tool} (bmv2 with PI/gRPC) on PATH or in /opt/p4/bin"

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The controller's bmv2 tests share the job service harness with the controller's tests.
+sys.path.insert(1, str(Path(__file__).parents[1] / "tests"))
 
 from bmv2_tools import missing_for_switch  # noqa: E402
 

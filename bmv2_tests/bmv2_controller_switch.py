@@ -1,4 +1,5 @@
-"""A real bmv2 simple_switch_grpc in a network namespace of its own, for the controller tests.
+"""A real bmv2 simple_switch_grpc in a network namespace of its own, for the controller's bmv2 tests
+(restarts under a running controller; bmv2_testbed.Testbed is the switch with endpoint namespaces).
 
 The switch's gRPC server listens on the namespace side of a veth pair (10.213.<n>.2), the test
 talks to it from the root side (10.213.<n>.1); its Thrift server (all addresses) stays inside
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,21 +17,21 @@ from pathlib import Path
 
 import grpc
 import pytest
+from bmv2_tools import find_tool, missing_for_switch
 
-SIMPLE_SWITCH_GRPC = Path(os.environ.get("SIMPLE_SWITCH_GRPC", "/opt/p4/bin/simple_switch_grpc"))
+SIMPLE_SWITCH_GRPC = Path(find_tool("simple_switch_grpc") or "/opt/p4/bin/simple_switch_grpc")
 _counter = itertools.count(1)
 
 
 def skip_reason() -> str | None:
     from switchagg_controller import p4_program
 
-    if not SIMPLE_SWITCH_GRPC.is_file():
-        return f"bmv2 is not installed ({SIMPLE_SWITCH_GRPC} is missing)"
+    reason = missing_for_switch()
+    if reason:
+        return reason
     for path in (p4_program.BMV2_JSON, p4_program.P4INFO):
         if not Path(path).is_file():
             return f"the P4 program is not built ({path} is missing)"
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "network namespaces need root and iproute2"
     return None
 
 

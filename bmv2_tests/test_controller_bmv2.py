@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from bmv2_support import Bmv2, bmv2, topology_yaml, wait_for  # noqa: F401 - bmv2 is a fixture
+from bmv2_controller_switch import Bmv2, bmv2, topology_yaml, wait_for  # noqa: F401 - bmv2 is a fixture
 from controller_support import SECRET, Controller
 
 from switchagg import jobclient, protocol

@@ -20,8 +20,6 @@ from typing import Any
 import pytest
 from controller_support import SECRET, Controller
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bmv2_tests"))
-
 WORKER = str(Path(__file__).parent / "controller_dp_worker.py")
 
 
@@ -39,18 +37,18 @@ def _skip_reason() -> str | None:
 
 
 @pytest.fixture
-def bed(tmp_path: Path) -> Iterator[Any]:
+def own_bed(tmp_path: Path) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     from bmv2_testbed import Testbed
 
-    with Testbed(3, tmp_path / "bed") as tb:
+    with Testbed(3, tmp_path / "own_bed") as tb:
         yield tb
 
 
-def _topology_file(bed: Any, path: Path) -> Path:
-    t = bed.topology()
+def _topology_file(own_bed: Any, path: Path) -> Path:
+    t = own_bed.topology()
     lines = [
         "switch:",
         f"  address: {t.switch_address}",
@@ -65,11 +63,11 @@ def _topology_file(bed: Any, path: Path) -> Path:
     return path
 
 
-def _start(bed: Any, service: str, tmp: Path, name: str, iterations: int, timeout: float) -> list[Any]:
+def _start(own_bed: Any, service: str, tmp: Path, name: str, iterations: int, timeout: float) -> list[Any]:
     procs = []
-    for e in bed.endpoints:
+    for e in own_bed.endpoints:
         cfg = {
-            "service": service, "secret": SECRET, "name": name, "n": len(bed.endpoints), "ip": e.ip,
+            "service": service, "secret": SECRET, "name": name, "n": len(own_bed.endpoints), "ip": e.ip,
             "length": 1000, "iterations": iterations, "timeout": timeout,
             "progress": str(tmp / f"{name}-{e.index}"),
         }  # fmt: skip
@@ -94,8 +92,8 @@ def _reports(procs: list[Any], timeout: float = 300) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def controller(bed: Any, tmp_path: Path) -> Iterator[Controller]:
-    topo = _topology_file(bed, tmp_path / "topology.yaml")
+def controller(own_bed: Any, tmp_path: Path) -> Iterator[Controller]:
+    topo = _topology_file(own_bed, tmp_path / "topology.yaml")
     c = Controller(tmp_path, ["--topology", str(topo), "--reap-timeout", "600"])
     c.start(listen=f"unix:{tmp_path}/jobs.sock")
     yield c
@@ -103,9 +101,9 @@ def controller(bed: Any, tmp_path: Path) -> Iterator[Controller]:
 
 
 def test_workers_allreduce_through_the_programmed_switch(
-    bed: Any, controller: Controller, tmp_path: Path
+    own_bed: Any, controller: Controller, tmp_path: Path
 ) -> None:
-    reports = _reports(_start(bed, controller.address, tmp_path, "dp", iterations=3, timeout=30))
+    reports = _reports(_start(own_bed, controller.address, tmp_path, "dp", iterations=3, timeout=30))
     assert sorted(r["rank"] for r in reports) == [0, 1, 2]
     assert {r["data_plane"] for r in reports} == {"p4"} and {r["k"] for r in reports} == {64}
     assert all(r["ok"] == 3 and r["wrong"] == 0 and r["error"] is None for r in reports), reports
@@ -114,9 +112,9 @@ def test_workers_allreduce_through_the_programmed_switch(
 
 
 def test_switch_restart_under_running_workers_never_gives_a_wrong_sum(
-    bed: Any, controller: Controller, tmp_path: Path
+    own_bed: Any, controller: Controller, tmp_path: Path
 ) -> None:
-    procs = _start(bed, controller.address, tmp_path, "restart", iterations=400, timeout=20)
+    procs = _start(own_bed, controller.address, tmp_path, "restart", iterations=400, timeout=20)
 
     def done(index: int) -> int:
         try:
@@ -125,15 +123,15 @@ def test_switch_restart_under_running_workers_never_gives_a_wrong_sum(
             return 0
 
     deadline = time.monotonic() + 120
-    while min(done(e.index) for e in bed.endpoints) < 3:  # let every worker get going
+    while min(done(e.index) for e in own_bed.endpoints) < 3:  # let every worker get going
         assert time.monotonic() < deadline, "the workers never made progress"
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.1)
-    assert max(done(e.index) for e in bed.endpoints) < 400 and all(p.poll() is None for p in procs)
-    bed._switch.kill()  # the switch dies mid-training and comes back without any state
-    bed._switch.wait(30)
-    bed.grpc_socket.unlink(missing_ok=True)
-    bed._start_switch()
+    assert max(done(e.index) for e in own_bed.endpoints) < 400 and all(p.poll() is None for p in procs)
+    own_bed._switch.kill()  # the switch dies mid-training and comes back without any state
+    own_bed._switch.wait(30)
+    own_bed.grpc_socket.unlink(missing_ok=True)
+    own_bed._start_switch()
 
     reports = _reports(procs)
     print("after the restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])  # shown with -s

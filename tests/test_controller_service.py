@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,27 @@ def test_silent_jobs_are_reaped(tmp_path: Path) -> None:
             assert hb.error is None
         with pytest.raises(jobclient.JobServiceError, match="no job"):
             jobclient.heartbeat(c.address, SECRET, b)
+    finally:
+        c.stop()
+
+
+def test_a_session_from_the_job_service_heartbeats_by_itself_and_leaves_on_close(tmp_path: Path) -> None:
+    import numpy as np
+
+    from switchagg import Session
+
+    c = Controller(
+        tmp_path, ["--software", "--software-listen", "127.0.0.1:0", "--reap-timeout", "0.5"]
+    ).start()
+    try:
+        with Session.from_job_service(c.address, SECRET, "idle", 1, heartbeat_interval=0.1) as s:
+            time.sleep(2.0)  # four reap timeouts without an allreduce
+            assert "idle" in c.ctl("jobs", *c.client_args()).stdout
+            x = np.arange(10, dtype=np.int32)
+            s.allreduce(x)
+            assert x.tolist() == list(range(10))
+        listing = c.ctl("jobs", *c.client_args()).stdout
+        assert "idle" not in listing  # closing the session left the job, which freed it
     finally:
         c.stop()
 

@@ -102,8 +102,10 @@ class Session:
         bind: tuple[str, int] = ("127.0.0.1", 0),
         timeout: float = 10.0,
         join_timeout: float = 60.0,
+        heartbeat_interval: float = 2.0,
     ) -> Session:
-        """Join ``job_name`` through the controller's job service and open its session."""
+        """Join ``job_name`` through the controller's job service and open its session; the session
+        heartbeats every ``heartbeat_interval`` seconds while it lives and leaves the job on close."""
         from switchagg import jobclient
 
         worker = _core.Worker(bind[0], bind[1])
@@ -124,7 +126,7 @@ class Session:
         session.assignment = a
         # The membership lives as long as the session: heartbeats keep idle phases from being
         # reaped, and close() leaves the job.
-        session._membership = jobclient.Membership(service, secret, a).start()
+        session._membership = jobclient.Membership(service, secret, a, heartbeat_interval).start()
         return session
 
     @property

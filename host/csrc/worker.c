@@ -100,6 +100,9 @@ static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* Receive-queue bytes one result datagram of pkt_len bytes costs: about twice its size (skb overhead). */
+static size_t result_cost(size_t pkt_len) { return 2 * pkt_len + 1024; }
+
 static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"agg_host", "agg_port", "job", "rank", "n", "slot_base", "slot_count", "k",
                              "rto", "rto_max", "timeout", NULL};
@@ -146,7 +149,7 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     int rcvbuf = 0;
     socklen_t ol = sizeof rcvbuf;
     if (getsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &ol) != 0) rcvbuf = 0;
-    size_t fits = (size_t)rcvbuf / (2 * w->pkt_len + 1024);
+    size_t fits = (size_t)rcvbuf / result_cost(w->pkt_len);
     w->rcvbuf = rcvbuf;
     w->window = fits >= (size_t)count ? count : (fits < 1 ? 1 : (int)fits);
     w->rto_ns = (uint64_t)(rto * 1e9);
@@ -297,22 +300,35 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     return 1;
 }
 
-/* Move queued slots into the window, lowest chunk first, and append them to `out`. */
+static void start_timer(run_t *r, size_t i, uint64_t now) {
+    slot_t *s = &r->slots[i];
+    s->queued = 0;
+    s->rto = current_rto(r->w);
+    s->deadline = now + s->rto;
+    s->sent_at = now;
+    s->retried = 0;
+    r->outstanding++;
+}
+
+/* Move queued slots into the window, lowest chunk first, and append them to `out`. When all of
+ * them fit (the usual case: the window is the job's slot count) one pass releases them all. */
 static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
-    Worker *w = r->w;
-    while (r->outstanding < (size_t)w->window) {
-        long best = -1;
+    size_t room = (size_t)r->w->window - r->outstanding, queued = 0;
+    for (size_t i = 0; i < r->active; i++) queued += r->slots[i].queued != 0;
+    if (queued <= room) {
         for (size_t i = 0; i < r->active; i++)
-            if (r->slots[i].queued && (best < 0 || r->slots[i].chunk < r->slots[best].chunk)) best = (long)i;
-        if (best < 0) break;
-        slot_t *s = &r->slots[best];
-        s->queued = 0;
-        s->rto = current_rto(w);
-        s->deadline = now + s->rto;
-        s->sent_at = now;
-        s->retried = 0;
-        r->outstanding++;
-        out[nout++] = (size_t)best;
+            if (r->slots[i].queued) {
+                start_timer(r, i, now);
+                out[nout++] = i;
+            }
+        return nout;
+    }
+    for (; room > 0; room--) {
+        size_t best = r->active;
+        for (size_t i = 0; i < r->active; i++)
+            if (r->slots[i].queued && (best == r->active || r->slots[i].chunk < r->slots[best].chunk)) best = i;
+        start_timer(r, best, now); /* queued > room: one is always found */
+        out[nout++] = best;
     }
     return nout;
 }
@@ -534,6 +550,10 @@ static PyObject *worker_window(Worker *w, void *unused) { return PyLong_FromLong
 
 static PyObject *worker_rcvbuf(Worker *w, void *unused) { return PyLong_FromLong(w->rcvbuf); }
 
+static PyObject *worker_rcvbuf_needed(Worker *w, void *unused) {
+    return PyLong_FromSize_t(w->configured ? (size_t)w->slot_count * result_cost(w->pkt_len) : 0);
+}
+
 static PyMethodDef worker_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0)"},
@@ -547,6 +567,7 @@ static PyGetSetDef worker_getset[] = {
     {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
     {"window", (getter)worker_window, NULL, "packets in flight at most (the job's slots, fewer if SO_RCVBUF is small)", NULL},
     {"rcvbuf", (getter)worker_rcvbuf, NULL, "the receive buffer the kernel granted, bytes", NULL},
+    {"rcvbuf_needed", (getter)worker_rcvbuf_needed, NULL, "the receive buffer the job's full window needs, bytes", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

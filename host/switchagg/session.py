@@ -77,7 +77,7 @@ class Session:
                 f"switchagg: the socket's receive buffer is {self._worker.rcvbuf} bytes (the rcvbuf asked "
                 f"for, or net.core.rmem_max), too small for the results of {slot_count} slots of K={k}; "
                 f"sending {self._worker.window} at a time instead. Raise net.core.rmem_max to at least "
-                f"{slot_count * (2 * (protocol.HEADER_LEN + 4 * k) + 1024) // 2} for the full window.",
+                f"{self._worker.rcvbuf_needed // 2} for the full window (the kernel doubles it).",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -73,20 +73,13 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str) -> None:
         # Only the (rank, size) constructor builds the Python-overridable trampoline; the stub lacks it.
         super().__init__(rank, size)  # type: ignore[call-arg]
-        self._lock = threading.Lock()
-        # The data plane first, over the store alone: a rank that fails here (rank 0's aggregator)
-        # tells the others through the store, before a gloo mesh exists whose teardown would make
-        # them fail with gloo's "connection closed" instead of the reason.
-        exchange = StoreExchange(store, rank, size)
-        self._plane: DataPlane | None = open_data_plane(rank, size, exchange, group_tag)
-        try:
-            # Any: the torch stubs do not declare Backend's collectives.
-            self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        except BaseException:
-            self.close()
-            raise
+        # Any: the torch stubs do not declare Backend's collectives.
+        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._lock = threading.Lock()
+        exchange = StoreExchange(store, rank, size)
+        self._plane: DataPlane | None = open_data_plane(rank, size, exchange, group_tag)
         atexit.register(self.close)
 
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)

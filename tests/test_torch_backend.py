@@ -159,6 +159,9 @@ class RefusingExchange:
     def gather(self, value: str) -> list[str]:
         raise AssertionError("the environment must be checked before anything is gathered")
 
+    def settle(self) -> None:
+        raise AssertionError("the environment must be checked before the start-up can fail collectively")
+
 
 def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
     n = 3

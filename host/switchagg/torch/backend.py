@@ -16,6 +16,8 @@ from switchagg.torch.work import FutureWork, completed_work
 
 BACKEND_NAME = "switchagg"
 EXCHANGE_PREFIX = "switchagg/exchange"
+# How long rank 0 waits for the others to see a failed start-up before it tears down.
+SETTLE_TIMEOUT = timedelta(seconds=30)
 SUPPORTED_DTYPES = (torch.float32, torch.int32)
 
 
@@ -174,6 +176,17 @@ class StoreExchange:
         self.round += 1
         self.store.set(self._key(str(self.rank)), value)
         return [self.store.get(self._key(str(r))).decode() for r in range(self.size)]
+
+    def settle(self) -> None:
+        # Rank 0 serves the store and its gloo context is the peer of every mesh: it leaves last.
+        key = f"{EXCHANGE_PREFIX}-settled/"
+        try:
+            if self.rank != 0:
+                self.store.set(f"{key}{self.rank}", "1")
+            else:
+                self.store.wait([f"{key}{r}" for r in range(1, self.size)], SETTLE_TIMEOUT)
+        except Exception:  # noqa: BLE001 (best effort: the start-up error is what the caller raises)
+            pass
 
 
 def create_process_group(

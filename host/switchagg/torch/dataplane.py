@@ -31,6 +31,12 @@ class Exchange(Protocol):
         """Every rank passes its string; every rank gets the list in rank order."""
         ...
 
+    def settle(self) -> None:
+        """Every rank calls it when the start-up failed (a failure is always seen by all ranks):
+        rank 0 returns once the others have reached it, or after a bounded wait. Until then no rank
+        may tear down what a slower rank is still building on (gloo's mesh, the store rank 0 serves)."""
+        ...
+
 
 @dataclass
 class DataPlane:
@@ -183,6 +189,7 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
             session.close()
         if aggregator is not None:
             aggregator.stop()
+        exchange.settle()
         raise
     assert session is not None  # a rank without a session raised above
     return DataPlane(session, aggregator)

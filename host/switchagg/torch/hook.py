@@ -28,6 +28,9 @@ class GroupExchange:
         dist.all_gather_object(values, value, group=self.group)
         return values
 
+    def settle(self) -> None:
+        pass  # the group belongs to the caller and outlives a failed start-up
+
 
 class SwitchaggHookState:
     """Owns this rank's switchagg data plane; collective: every rank of the group creates one,

@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT / "bmv2_tests"))
 
 from bmv2_frames import RESULT_PORT_BASE, counters, data_frame  # noqa: E402
 from bmv2_jobs import make_job  # noqa: E402
-from bmv2_testbed import Endpoint, Testbed  # noqa: E402
-from bmv2_tools import find_tool, missing_for_switch, tool_env  # noqa: E402
 from scapy.layers.inet import IP, UDP  # noqa: E402
 from scapy.layers.l2 import Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 
 from switchagg import protocol  # noqa: E402
+from switchagg.testbed import Endpoint, Testbed  # noqa: E402
+from switchagg.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
 from switchagg_controller import p4_program  # noqa: E402
 from switchagg_controller.p4runtime_client import SwitchConnection  # noqa: E402
 

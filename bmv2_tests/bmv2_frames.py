@@ -13,12 +13,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bmv2_testbed import AGG_IP, AGG_MAC, Endpoint
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from switchagg import protocol
+from switchagg.testbed import AGG_IP, AGG_MAC, Endpoint
 from switchagg_controller import p4_program
 
 SENTINEL_TYPE = 0x88B5  # IEEE local experimental ethertype

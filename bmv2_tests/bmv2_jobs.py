@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 
 from bmv2_frames import result_port
-from bmv2_testbed import Endpoint
 
 from switchagg import protocol
+from switchagg.testbed import Endpoint
 from switchagg_controller.model import Job, WorkerAddr
 
 _generations = itertools.count(1)

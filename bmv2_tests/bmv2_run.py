@@ -6,9 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from bmv2_testbed import AGG_IP, Endpoint
-
 from switchagg import protocol
+from switchagg.testbed import AGG_IP, Endpoint
 from switchagg.testing import checks
 from switchagg.testing.local import WORKER
 from switchagg_controller.model import Job

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from bmv2_tools import missing_for_switch
+
+from switchagg.testbed.tools import missing_for_switch
 
 
 def _path_with(tmp_path: Path, tools: list[str]) -> str:

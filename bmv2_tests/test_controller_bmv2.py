@@ -10,10 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from bmv2_controller_switch import Bmv2, bmv2, topology_yaml, wait_for  # noqa: F401 - bmv2 is a fixture
+from bmv2_controller_switch import bmv2, topology_yaml, wait_for  # noqa: F401 - bmv2 is a fixture
 from controller_support import SECRET, Controller
 
 from switchagg import jobclient, protocol
+from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.p4runtime_client import P4RuntimeError, SwitchConnection
@@ -46,7 +47,7 @@ def _reader(address: str) -> SwitchConnection:
     return conn
 
 
-def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2) -> None:  # noqa: F811
+def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:  # noqa: F811
     topo = parse_topology(topology_yaml(bmv2.grpc_address))
     job = _job()
     state = p4_program.desired_state(topo, [job])
@@ -81,13 +82,13 @@ def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2) -> None:  # noqa: F811
             conn.read_counter("nope")
 
 
-def test_a_second_controller_is_not_primary(bmv2: Bmv2) -> None:  # noqa: F811
+def test_a_second_controller_is_not_primary(bmv2: Bmv2Switch) -> None:  # noqa: F811
     with SwitchConnection(bmv2.grpc_address, 0, election_id=(0, 2)):
         with pytest.raises(P4RuntimeError, match="not primary"):
             SwitchConnection(bmv2.grpc_address, 0, election_id=(0, 1)).connect()
 
 
-def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2, tmp_path: Path) -> None:  # noqa: F811
+def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     c = Controller(tmp_path, [])
@@ -119,7 +120,7 @@ def _join_pair(address: str, name: str, ports: tuple[int, int]) -> list[jobclien
     return sorted(out, key=lambda a: a.rank)
 
 
-def test_restart_recovery_and_two_jobs(bmv2: Bmv2, tmp_path: Path) -> None:  # noqa: F811
+def test_restart_recovery_and_two_jobs(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     c = Controller(tmp_path, ["--topology", str(topo), "--reap-timeout", "600"]).start()
@@ -175,7 +176,7 @@ def test_restart_recovery_and_two_jobs(bmv2: Bmv2, tmp_path: Path) -> None:  # n
         c.stop()
 
 
-def test_jobs_that_do_not_fit_on_the_switch_fall_back_to_software(bmv2: Bmv2, tmp_path: Path) -> None:  # noqa: F811
+def test_jobs_that_do_not_fit_on_the_switch_fall_back_to_software(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     extra = ["--topology", str(topo), "--fallback", "--p4-slots", "600", "--software-listen", "127.0.0.1:0"]

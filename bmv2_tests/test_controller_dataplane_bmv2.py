@@ -24,8 +24,7 @@ WORKER = str(Path(__file__).parent / "controller_dp_worker.py")
 
 
 def _skip_reason() -> str | None:
-    from bmv2_tools import missing_for_switch
-
+    from switchagg.testbed.tools import missing_for_switch
     from switchagg_controller import p4_program
 
     reason = missing_for_switch()
@@ -41,25 +40,16 @@ def own_bed(tmp_path: Path) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from bmv2_testbed import Testbed
+    from switchagg.testbed import Testbed
 
     with Testbed(3, tmp_path / "own_bed") as tb:
         yield tb
 
 
 def _topology_file(own_bed: Any, path: Path) -> Path:
-    t = own_bed.topology()
-    lines = [
-        "switch:",
-        f"  address: {t.switch_address}",
-        f"  device_id: {t.device_id}",
-        "aggregator:",
-        f"  ip: {t.aggregator_ip}",
-        f"  mac: '{t.aggregator_mac}'",
-        "hosts:",
-    ]
-    lines += [f"  - {{name: {h.name}, port: {h.port}, mac: '{h.mac}', ip: {h.ip}}}" for h in t.hosts]
-    path.write_text("\n".join(lines) + "\n")
+    from switchagg_controller.topology import dump_topology
+
+    path.write_text(dump_topology(own_bed.topology()))
     return path
 
 
@@ -128,10 +118,7 @@ def test_switch_restart_under_running_workers_never_gives_a_wrong_sum(
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.1)
     assert max(done(e.index) for e in own_bed.endpoints) < 400 and all(p.poll() is None for p in procs)
-    own_bed._switch.kill()  # the switch dies mid-training and comes back without any state
-    own_bed._switch.wait(30)
-    own_bed.grpc_socket.unlink(missing_ok=True)
-    own_bed._start_switch()
+    own_bed.switch.restart()  # the switch dies mid-training and comes back without any state
 
     reports = _reports(procs)
     print("after the restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])  # shown with -s

@@ -7,9 +7,9 @@ import threading
 from typing import Any
 
 from bmv2_frames import Wire
-from bmv2_testbed import AGG_IP, AGG_MAC, in_netns
 from scapy.layers.l2 import ARP, Ether
 
+from switchagg.testbed import AGG_IP, AGG_MAC, in_netns
 from switchagg_controller import p4_program
 
 

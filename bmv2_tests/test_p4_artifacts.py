@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bmv2_tools import find_tool
 
+from switchagg.testbed.tools import find_tool
 from switchagg_controller import p4_program
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def fresh_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if p4c is None:
         pytest.skip("p4c is not installed (PATH or /opt/p4/bin): cannot check p4/build against the source")
     out = tmp_path_factory.mktemp("p4build")
-    from bmv2_tools import tool_env
+    from switchagg.testbed.tools import tool_env
 
     proc = subprocess.run(
         [

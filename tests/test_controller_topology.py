@@ -117,3 +117,23 @@ def test_the_example_topology_parses() -> None:
     example = Path(__file__).resolve().parents[1] / "controller" / "topology.example.yaml"
     t = load_topology(example)
     assert [h.name for h in t.hosts] == ["h1", "h2"] and t.election_id == (0, 1)
+
+
+def test_a_dumped_topology_parses_back_to_itself() -> None:
+    from switchagg_controller.model import HostPort, Topology
+    from switchagg_controller.topology import dump_topology
+
+    t = Topology(
+        switch_address="unix:/run/x/p4runtime.sock",
+        device_id=3,
+        hosts=(
+            HostPort("h0", 1, "02:5a:00:00:00:01", "10.201.0.1"),
+            HostPort("h1", 2, "02:5a:00:00:00:02", "10.201.0.2"),
+        ),
+        aggregator_ip="10.201.0.254",
+        aggregator_mac="02:5a:00:00:00:fe",
+        udp_port=48000,
+        cpu_port=192,
+        election_id=(1, 7),
+    )
+    assert parse_topology(dump_topology(t)) == t

@@ -162,3 +162,15 @@ def load_topology(path: str | Path) -> Topology:
     except OSError as e:
         raise TopologyError(f"{p}: cannot read the topology file: {e.strerror}") from None
     return parse_topology(text, p.name)
+
+
+def dump_topology(t: Topology) -> str:
+    """The YAML text of ``t``; ``parse_topology(dump_topology(t)) == t``."""
+    doc = {
+        "switch": {"address": t.switch_address, "device_id": t.device_id, "election_id": list(t.election_id)},
+        "aggregator": {"ip": t.aggregator_ip, "mac": t.aggregator_mac, "udp_port": t.udp_port},
+        "cpu_port": t.cpu_port,
+        "hosts": [{"name": h.name, "port": h.port, "mac": h.mac, "ip": h.ip} for h in t.hosts],
+    }
+    text: str = yaml.safe_dump(doc, sort_keys=False)
+    return text

@@ -110,6 +110,8 @@ class Session:
 
         worker = _core.Worker(bind[0], bind[1])
         ip, port = worker.address
+        if ip in ("0.0.0.0", ""):  # the controller pins the address it is told: it must be a real one
+            ip = _source_address(service)
         a = jobclient.join(service, secret, job_name, world_size, ip, port, rank=rank, timeout=join_timeout)
         session = cls(
             a.job_id,
@@ -176,3 +178,19 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _source_address(service: str) -> str:
+    """The local IP the kernel routes to the job service's host from (a UDP connect sends nothing)."""
+    host, sep, _ = service.rpartition(":")
+    if service.startswith("unix:") or not sep:
+        raise ValueError(
+            f"a worker bound to 0.0.0.0 cannot tell the job service {service!r} its address: "
+            "bind it to the IP the aggregator should send to"
+        )
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), 9))
+        ip: str = s.getsockname()[0]
+    return ip

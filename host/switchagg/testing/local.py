@@ -46,12 +46,14 @@ def run_job(
     wait: float = 120.0,
     per_rank: dict[int, dict[str, Any]] | None = None,
     before_go: Callable[[list[tuple[str, int]]], None] | None = None,
+    launcher: Callable[[int], list[str]] | None = None,
     **cfg: Any,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Starts n workers, installs the job on ``agg`` with the addresses they bound, lets them run
     and waits for all (bounded by ``wait`` seconds: a hang fails instead of blocking); ``cfg`` and
     ``per_rank`` add worker config keys (switchagg.testing.worker); ``before_go(addresses)`` runs
-    between installing the job and letting the workers start."""
+    between installing the job and letting the workers start; ``launcher(rank)`` prefixes rank's
+    command line (e.g. ``ip netns exec NS``)."""
     procs = []
     for rank in range(n):
         c = {
@@ -69,7 +71,7 @@ def run_job(
         }
         procs.append(
             subprocess.Popen(
-                [*WORKER, json.dumps(c)],
+                [*(launcher(rank) if launcher else []), *WORKER, json.dumps(c)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

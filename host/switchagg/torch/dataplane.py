@@ -203,7 +203,7 @@ def open_data_plane(rank: int, world_size: int, exchange: Exchange, group_tag: s
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
     if not service:
         return _open_embedded(rank, world_size, exchange, timeout)
-    service_host, _ = parse_host_port(service, "SWITCHAGG_JOB_SERVICE")
+    service_host = "" if service.startswith("unix:") else parse_host_port(service, "SWITCHAGG_JOB_SERVICE")[0]
     name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
     bind = _worker_bind(service_host)
     secret = _read_secret()

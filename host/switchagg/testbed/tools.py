@@ -1,15 +1,18 @@
-"""Finding the P4 toolchain (p4c, simple_switch_grpc, simple_switch_CLI) and why a test must skip."""
+"""Finding the tools a testbed needs (iproute2, tc, nftables, ethtool, bmv2) and saying what is missing."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 EXTRA_BIN_DIRS = (Path("/opt/p4/bin"), Path("/usr/local/bin"))
-# What the namespaces, loss injection and checksum offload need, and the Debian package of each.
-SYSTEM_TOOLS = (("ip", "iproute2"), ("nft", "nftables"), ("ethtool", "ethtool"))
+# Each system tool and its Debian package.
+PACKAGES = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables", "ethtool": "ethtool"}
+# What the bmv2 suite needs: namespaces, loss injection, checksum offload off.
+BMV2_SYSTEM_TOOLS = ("ip", "nft", "ethtool")
 
 
 def find_tool(name: str) -> str | None:
@@ -26,13 +29,18 @@ def find_tool(name: str) -> str | None:
     return None
 
 
-def missing_for_switch() -> str | None:
-    """Why the bmv2 tests cannot run here, or None when they can."""
+def missing_for(tools: Iterable[str], what: str = "the testbed") -> str | None:
+    """Why ``what`` cannot run here (not root, or these system tools absent), or None."""
     if os.geteuid() != 0:
-        return "bmv2 tests need root (network namespaces and veth pairs)"
-    missing = [f"`{tool}` (apt install {pkg})" for tool, pkg in SYSTEM_TOOLS if shutil.which(tool) is None]
+        return f"{what} needs root (network namespaces and veth pairs)"
+    missing = [f"`{t}` (apt install {PACKAGES[t]})" for t in tools if shutil.which(t) is None]
     if missing:
-        return f"bmv2 tests need {' and '.join(missing)} on PATH"
+        return f"{what} needs {' and '.join(missing)} on PATH"
+    return None
+
+
+def missing_bmv2() -> str | None:
+    """Why simple_switch_grpc and its CLI cannot run here, or None."""
     for tool in ("simple_switch_grpc", "simple_switch_CLI"):
         if find_tool(tool) is None:
             return f"bmv2 tests need {tool} (bmv2 with PI/gRPC) on PATH or in /opt/p4/bin"
@@ -44,6 +52,11 @@ def missing_for_switch() -> str | None:
     ):
         return "simple_switch_CLI needs the Python `thrift` module for python3 (pip install thrift)"
     return None
+
+
+def missing_for_switch() -> str | None:
+    """Why the bmv2 tests cannot run here, or None when they can."""
+    return missing_for(BMV2_SYSTEM_TOOLS, "bmv2 tests") or missing_bmv2()
 
 
 def tool_env() -> dict[str, str]:

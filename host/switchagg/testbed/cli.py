@@ -1,0 +1,403 @@
+"""switchagg-testbed: an emulated rack on this host (root), for training and benchmarks.
+
+    switchagg-testbed up -n 4 --rate 1000          # 4 workers, 1 Gbit/s links, software aggregator
+    switchagg-testbed run -- python3 -c 'import os; print(os.environ["RANK"])'
+    switchagg-testbed run -- torchrun --nnodes {n} --node-rank {rank} --nproc-per-node 1 \\
+        --master-addr {master} --master-port 29500 examples/train_digits.py --backend switchagg
+    switchagg-testbed status
+    switchagg-testbed down
+
+`up` builds the namespaces and links (switchagg.testbed.topology) and starts the job service
+(`switchagg-ctl serve`) in the switch namespace: with `--data-plane soft` it serves jobs on its
+software aggregator at 10.201.0.254, with `bmv2` it programs simple_switch_grpc. `run` starts the
+command once per worker namespace, with RANK/WORLD_SIZE/MASTER_ADDR and the SWITCHAGG_* variables
+that point the torch backend at the job service; {rank}, {n}, {ip} and {master} in the command are
+replaced. `down` removes every namespace, link and process of the testbed, also after a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from switchagg import protocol
+from switchagg.testbed import netns, tools
+from switchagg.testbed.topology import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
+
+STATE_ROOT = Path(os.environ.get("SWITCHAGG_TESTBED_DIR", "/run/switchagg-testbed"))
+NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+SERVICE_WAIT = 60.0
+
+
+class CliError(Exception):
+    pass
+
+
+def _dir(name: str) -> Path:
+    return STATE_ROOT / name
+
+
+def _prefix(name: str) -> str:
+    return f"sat{name}-"
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "n": args.workers,
+        "data_plane": args.data_plane,
+        "rate_mbit": args.rate,
+        "mtu": args.mtu,
+        "sw_k": args.sw_k,
+        "sw_slots": args.sw_slots,
+    }
+
+
+def _bed(name: str, spec: dict[str, Any]) -> Testbed:
+    return Testbed(
+        spec["n"],
+        _dir(name),
+        data_plane=spec["data_plane"],
+        rate_mbit=spec["rate_mbit"],
+        mtu=spec["mtu"],
+        prefix=_prefix(name),
+    )
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads((_dir(name) / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _healthy(name: str, state: dict[str, Any]) -> bool:
+    bed = _bed(name, state["spec"])
+    pids = state.get("pids", {}).values()
+    return bed.built() and all(_alive(p) for p in pids)
+
+
+def _start_service(bed: Testbed, spec: dict[str, Any], workdir: Path) -> subprocess.Popen[bytes]:
+    """`switchagg-ctl serve` in the switch namespace, detached, its job service on a Unix socket."""
+    secret = workdir / "secret"
+    secret.write_text(secrets.token_hex(16))
+    secret.chmod(0o600)
+    sock = workdir / "jobs.sock"
+    argv = [
+        sys.executable, "-m", "switchagg_controller.cli", "serve",
+        "--listen", f"unix:{sock}", "--secret-file", str(secret), "--state", str(workdir / "ctl.db"),
+    ]  # fmt: skip
+    if spec["data_plane"] == "soft":
+        argv += ["--software", "--software-listen", f"{AGG_IP}:{protocol.UDP_PORT}"]
+        argv += ["--sw-k", str(spec["sw_k"]), "--sw-slots", str(spec["sw_slots"])]
+    else:
+        from switchagg_controller.topology import dump_topology
+
+        topo = workdir / "topology.yaml"
+        topo.write_text(dump_topology(bed.topology()))
+        argv += ["--topology", str(topo)]
+    with open(workdir / "service.log", "ab") as log:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", bed.switch_ns, *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + SERVICE_WAIT
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = (workdir / "service.log").read_text(errors="replace")[-1500:]
+            raise CliError(f"the job service did not come up (see {workdir / 'service.log'}):\n{tail}")
+        time.sleep(0.1)
+    return proc
+
+
+def _check_tools(spec: dict[str, Any]) -> None:
+    needed = ["ip", "tc"] + (["ethtool"] if spec["data_plane"] == "bmv2" else [])
+    reason = tools.missing_for(needed, "switchagg-testbed")
+    if reason is None and spec["data_plane"] == "bmv2":
+        reason = tools.missing_bmv2()
+    if reason:
+        raise CliError(reason)
+    try:
+        import grpc  # noqa: F401
+
+        import switchagg_controller  # noqa: F401
+    except ImportError as e:
+        raise CliError(
+            f"the job service needs the controller: pip install 'switchagg[controller]' ({e})"
+        ) from e
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    if not 1 <= spec["n"] <= MAX_ENDPOINTS:
+        raise CliError(f"-n must be within 1..{MAX_ENDPOINTS}")
+    if spec["rate_mbit"] is not None and spec["rate_mbit"] <= 0:
+        raise CliError("--rate must be positive (Mbit/s)")
+    _check_tools(spec)
+    state = _load(args.name)
+    if state is not None and _healthy(args.name, state):
+        if state["spec"] == spec:
+            print(f"testbed {args.name} is up already (nothing changed)")
+            return 0
+        raise CliError(f"testbed {args.name} is up with {state['spec']}; run `switchagg-testbed down` first")
+    _down(args.name)  # whatever a crashed or half-built run left
+    workdir = _dir(args.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    bed = _bed(args.name, spec)
+    try:
+        bed.start()
+        service = _start_service(bed, spec, workdir)
+    except BaseException:
+        _down(args.name)
+        raise
+    pids = {"service": service.pid}
+    if bed.switch is not None and bed.switch.pid:
+        pids["bmv2"] = bed.switch.pid
+    state = {"spec": spec, "prefix": bed.prefix, "pids": pids, "created": time.time()}
+    (workdir / "state.json").write_text(json.dumps(state, indent=1))
+    rate = f"{spec['rate_mbit']} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    print(
+        f"testbed {args.name}: {spec['n']} workers ({', '.join(e.ip for e in bed.endpoints)}), "
+        f"{spec['data_plane']} data plane at {AGG_IP}, links {rate}, MTU {bed.mtu}; "
+        f"job service unix:{workdir / 'jobs.sock'}"
+    )
+    return 0
+
+
+def _down(name: str) -> list[str]:
+    state = _load(name)
+    for pid in (state or {}).get("pids", {}).values():
+        if _alive(pid) and _group_leader(pid):  # started in a session of its own by `up`
+            os.killpg(pid, signal.SIGKILL)
+    gone = remove(_prefix(name))
+    shutil.rmtree(_dir(name), ignore_errors=True)
+    return gone
+
+
+def _group_leader(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    gone = _down(args.name)
+    print(f"testbed {args.name}: removed {len(gone)} namespaces and links" if gone else "nothing to remove")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = _load(args.name)
+    if state is None:
+        leftovers = [n for n in netns.namespaces() if n.startswith(_prefix(args.name))]
+        msg = f"testbed {args.name} is down" + (
+            f" (leftovers: {', '.join(leftovers)}; run down)" if leftovers else ""
+        )
+        if args.json:
+            print(json.dumps({"name": args.name, "up": False, "leftovers": leftovers}))
+        else:
+            print(msg)
+        return 1
+    bed = _bed(args.name, state["spec"])
+    built = bed.built()
+    report = {
+        "name": args.name,
+        "up": built and _healthy(args.name, state),
+        "spec": state["spec"],
+        "processes": {k: _alive(p) for k, p in state["pids"].items()},
+        "service": f"unix:{_dir(args.name) / 'jobs.sock'}",
+        "links": bed.link_stats() if built else [],
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["up"] else 1
+    spec = state["spec"]
+    rate = f"{spec['rate_mbit']} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    print(f"testbed {args.name}: {'up' if report['up'] else 'BROKEN (run down, then up)'}")
+    print(f"  {spec['n']} workers, {spec['data_plane']} data plane, links {rate}")
+    print(
+        "  processes: "
+        + ", ".join(f"{k} {'running' if v else 'GONE'}" for k, v in report["processes"].items())
+    )
+    print(f"  job service: {report['service']}")
+    for e, link in zip(bed.endpoints, report["links"], strict=False):
+        up, down = link["up"], link["down"]
+        print(
+            f"  h{e.index} {e.ip:<12} up {up['bytes'] / 1e6:10.1f} MB ({up['dropped']} dropped)"
+            f"  down {down['bytes'] / 1e6:10.1f} MB ({down['dropped']} dropped)"
+        )
+    return 0 if report["up"] else 1
+
+
+def worker_env(bed: Testbed, rank: int, master_port: int, workdir: Path) -> dict[str, str]:
+    e = bed.endpoints[rank]
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(bed.n),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": bed.endpoints[0].ip,
+        "MASTER_PORT": str(master_port),
+        "GLOO_SOCKET_IFNAME": e.ifname,
+        "SWITCHAGG_JOB_SERVICE": f"unix:{workdir / 'jobs.sock'}",
+        "SWITCHAGG_SECRET_FILE": str(workdir / "secret"),
+        "SWITCHAGG_WORKER_BIND": e.ip,
+        "SWITCHAGG_TESTBED_IP": e.ip,
+    }
+
+
+def _substitute(argv: Sequence[str], values: dict[str, str]) -> list[str]:
+    out = []
+    for a in argv:
+        for key, value in values.items():
+            a = a.replace("{" + key + "}", value)
+        out.append(a)
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError("run needs a command: switchagg-testbed run -- CMD ...")
+    state = _load(args.name)
+    if state is None or not _healthy(args.name, state):
+        raise CliError(f"testbed {args.name} is not up: switchagg-testbed up first")
+    bed = _bed(args.name, state["spec"])
+    workdir = _dir(args.name)
+    procs: list[subprocess.Popen[str]] = []
+    for e in bed.endpoints:
+        env = {**os.environ, **worker_env(bed, e.index, args.master_port, workdir)}
+        values = {"rank": str(e.index), "n": str(bed.n), "ip": e.ip, "master": bed.endpoints[0].ip}
+        procs.append(
+            e.popen(
+                _substitute(command, values),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        )
+    lock = threading.Lock()
+
+    def relay(rank: int, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            with lock:
+                sys.stdout.write(f"[h{rank}] {line}")
+                sys.stdout.flush()
+
+    relays = [threading.Thread(target=relay, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in relays:
+        t.start()
+    code = _wait_all(procs, args.timeout, args.grace)
+    for t in relays:
+        t.join(timeout=5)
+    return code
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, grace: float) -> int:
+    """Waits for every rank; after a rank fails, the others get ``grace`` seconds to fail on
+    their own (their timeouts), then they are killed. Returns the first non-zero exit code."""
+    deadline = time.monotonic() + timeout
+    first_failure: float | None = None
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed and first_failure is None:
+                first_failure, code = now, failed[0]
+            if now > deadline or (first_failure is not None and now > first_failure + grace):
+                why = "timed out" if now > deadline else f"a rank failed {grace:.0f} s ago"
+                print(f"switchagg-testbed: {why}: killing the remaining ranks", file=sys.stderr)
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+                code = code or 124
+    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchagg-testbed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def named(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--name", default="sa", help="testbed name, [a-z][a-z0-9]{0,7} (default %(default)s)")
+        return p
+
+    p = named(sub.add_parser("up", help="build the testbed and start its job service (idempotent)"))
+    p.add_argument("-n", "--workers", type=int, default=4, help="worker namespaces (default %(default)s)")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default="soft", help="default %(default)s")
+    p.add_argument("--rate", type=float, metavar="MBIT", help="cap every link at MBIT Mbit/s each way (tbf)")
+    p.add_argument("--mtu", type=int, help="link MTU (default 9000 soft, 1500 bmv2)")
+    p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K of the software aggregator")
+    p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")
+    p.set_defaults(func=cmd_up)
+
+    p = named(sub.add_parser("run", help="run a command in every worker namespace"))
+    p.add_argument("--timeout", type=float, default=3600, help="kill every rank after this (s)")
+    p.add_argument("--grace", type=float, default=30, help="after a rank fails, kill the rest after (s)")
+    p.add_argument("--master-port", type=int, default=29500, help="MASTER_PORT (default %(default)s)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    p.set_defaults(func=cmd_run)
+
+    p = named(sub.add_parser("status", help="what is up, and the bytes each link carried"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = named(sub.add_parser("down", help="remove every namespace, link and process of the testbed"))
+    p.set_defaults(func=cmd_down)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not NAME.match(args.name):
+        print(f"switchagg-testbed: --name {args.name!r} must match {NAME.pattern}", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print("switchagg-testbed: needs root (network namespaces and veth pairs)", file=sys.stderr)
+        return 2
+    try:
+        code: int = args.func(args)
+    except (CliError, netns.TestbedError, ValueError) as e:
+        print(f"switchagg-testbed: {e}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -87,10 +87,10 @@ def _alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rpartition(")")[2].split()[0] != "Z"  # a zombie (no reaper in some containers) is gone
 
 
 def _healthy(name: str, state: dict[str, Any]) -> bool:

@@ -42,6 +42,7 @@ def remove(prefix: str) -> list[str]:
 
 
 class Testbed:
+    __test__ = False  # not a pytest test class, whatever module imports it
     """``n`` endpoints around one switch; use as a context manager (or start()/close())."""
 
     def __init__(

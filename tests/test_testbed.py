@@ -1,0 +1,127 @@
+"""The emulated rack (switchagg.testbed) with the software data plane: real namespaces, veths,
+token-bucket caps and a real job through the software aggregator in the switch namespace; and
+switchagg-testbed's up/run/status/down, including recovery from a crashed run. Needs root and
+iproute2; skipped, with the reason, elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from switchagg import protocol
+from switchagg.testbed import netns, tools
+from switchagg.testbed.topology import AGG_IP, Testbed
+
+REASON = tools.missing_for(["ip", "tc"], "the testbed tests")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def _ours(prefix: str) -> list[str]:
+    return [n for n in netns.namespaces() if n.startswith(prefix)]
+
+
+def test_a_job_through_the_soft_switch_namespace_is_exact(tmp_path: Path) -> None:
+    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.testing import checks
+    from switchagg.testing.local import run_job
+
+    n, k, slots = 3, 2048, 16
+    tensors = [("int32", 3 * k + 5), ("float32", 20000)]
+    with Testbed(n, tmp_path / "bed", data_plane="soft", rate_mbit=400) as bed:
+        qdisc = netns.sh("tc", "qdisc", "show", "dev", "eth0", ns=bed.endpoints[1].ns)
+        assert "tbf" in qdisc and "400Mbit" in qdisc, qdisc
+        with netns.in_netns(bed.switch_ns):  # the aggregator's socket lives in the switch namespace
+            agg = SoftwareAggregator(host=AGG_IP, port=protocol.UDP_PORT).start()
+        try:
+            run_job(
+                agg, 5, n, tensors, tmp_path, slots=slots, k=k,
+                launcher=lambda r: ["ip", "netns", "exec", bed.endpoints[r].ns],
+                per_rank={e.index: {"bind": [e.ip, 0]} for e in bed.endpoints},
+            )  # fmt: skip
+            drops = agg.counters()["drops"]
+        finally:
+            agg.stop()
+        checks.check_results(5, n, k, tensors, tmp_path)
+        assert drops["spoofed"] == 0, drops
+        payload = (3 * k + 5 + 20000) * 4
+        for link in bed.link_stats():  # every byte crossed a capped link both ways
+            assert link["up"]["bytes"] >= payload and link["down"]["bytes"] >= payload, link
+        prefix = bed.prefix
+    assert _ours(prefix) == []
+
+
+def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "switchagg.testbed.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    env = {**os.environ, "SWITCHAGG_TESTBED_DIR": str(tmp_path / "state")}
+    yield env
+    _cli("down", "--name", "tst", env=env)
+
+
+def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None:
+    env = cli_env
+    up = _cli("up", "--name", "tst", "-n", "2", "--rate", "100", env=env)
+    assert up.returncode == 0, up.stderr
+    again = _cli("up", "--name", "tst", "-n", "2", "--rate", "100", env=env)
+    assert again.returncode == 0 and "up already" in again.stdout, again.stderr
+    other = _cli("up", "--name", "tst", "-n", "3", env=env)
+    assert other.returncode == 1 and "down" in other.stderr
+
+    script = (
+        "import os, socket; from switchagg import Session; import numpy as np;"
+        "s = Session.from_job_service(os.environ['SWITCHAGG_JOB_SERVICE'], "
+        "open(os.environ['SWITCHAGG_SECRET_FILE']).read().strip(), 'cli', int(os.environ['WORLD_SIZE']), "
+        "rank=int(os.environ['RANK']), bind=(os.environ['SWITCHAGG_WORKER_BIND'], 0));"
+        "x = np.arange(5000, dtype=np.int32) * (int(os.environ['RANK']) + 1); s.allreduce(x);"
+        "print('sum-ok' if (x == np.arange(5000, dtype=np.int32) * 3).all() else 'sum-WRONG', "
+        "s.data_plane, '{ip}'); s.close()"
+    )
+    run = _cli("run", "--name", "tst", "--timeout", "120", "--", sys.executable, "-c", script, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(line for line in run.stdout.splitlines() if "sum-" in line)
+    assert lines == ["[h0] sum-ok software 10.201.0.1", "[h1] sum-ok software 10.201.0.2"], run.stdout
+
+    status = _cli("status", "--name", "tst", "--json", env=env)
+    report = json.loads(status.stdout)
+    assert status.returncode == 0 and report["up"] and report["processes"] == {"service": True}
+    assert all(link["up"]["bytes"] > 20000 and link["down"]["bytes"] > 20000 for link in report["links"])
+
+    failing = _cli("run", "--name", "tst", "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
+    assert failing.returncode in (3, 4), failing.stderr
+
+    down = _cli("down", "--name", "tst", env=env)
+    assert down.returncode == 0 and _ours("sattst-") == []
+    assert not Path(env["SWITCHAGG_TESTBED_DIR"], "tst").exists()
+    gone = _cli("status", "--name", "tst", env=env)
+    assert gone.returncode == 1 and "down" in gone.stdout
+
+
+def test_up_after_a_crash_sweeps_what_the_crashed_run_left(cli_env: dict[str, str]) -> None:
+    env = cli_env
+    assert _cli("up", "--name", "tst", "-n", "2", env=env).returncode == 0
+    state = json.loads(Path(env["SWITCHAGG_TESTBED_DIR"], "tst", "state.json").read_text())
+    os.kill(state["pids"]["service"], 9)  # the job service dies; its namespaces stay behind
+    netns.sh("ip", "link", "add", "sattst-h7", "type", "veth", "peer", "name", "sattst-h8")  # a half-built link
+    netns.sh("ip", "netns", "add", "sattst-h5")  # and a namespace of a larger testbed
+    status = _cli("status", "--name", "tst", env=env)
+    assert status.returncode == 1 and "BROKEN" in status.stdout
+    up = _cli("up", "--name", "tst", "-n", "2", env=env)
+    assert up.returncode == 0, up.stderr
+    assert "sattst-h" not in netns.sh("ip", "-o", "link", "show")
+    assert sorted(_ours("sattst-")) == ["sattst-h0", "sattst-h1", "sattst-sw"]
+    assert _cli("status", "--name", "tst", env=env).returncode == 0

@@ -116,7 +116,8 @@ def test_up_after_a_crash_sweeps_what_the_crashed_run_left(cli_env: dict[str, st
     assert _cli("up", "--name", "tst", "-n", "2", env=env).returncode == 0
     state = json.loads(Path(env["SWITCHAGG_TESTBED_DIR"], "tst", "state.json").read_text())
     os.kill(state["pids"]["service"], 9)  # the job service dies; its namespaces stay behind
-    netns.sh("ip", "link", "add", "sattst-h7", "type", "veth", "peer", "name", "sattst-h8")  # a half-built link
+    # a half-built link
+    netns.sh("ip", "link", "add", "sattst-h7", "type", "veth", "peer", "name", "sattst-h8")
     netns.sh("ip", "netns", "add", "sattst-h5")  # and a namespace of a larger testbed
     status = _cli("status", "--name", "tst", env=env)
     assert status.returncode == 1 and "BROKEN" in status.stdout

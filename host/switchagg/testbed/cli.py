@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -34,11 +33,11 @@ from typing import Any
 
 from switchagg import protocol
 from switchagg.testbed import netns, tools
+from switchagg.testbed.service import start_job_service, worker_env
 from switchagg.testbed.topology import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
 
 STATE_ROOT = Path(os.environ.get("SWITCHAGG_TESTBED_DIR", "/run/switchagg-testbed"))
 NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
-SERVICE_WAIT = 60.0
 
 
 class CliError(Exception):
@@ -99,41 +98,6 @@ def _healthy(name: str, state: dict[str, Any]) -> bool:
     return bed.built() and all(_alive(p) for p in pids)
 
 
-def _start_service(bed: Testbed, spec: dict[str, Any], workdir: Path) -> subprocess.Popen[bytes]:
-    """`switchagg-ctl serve` in the switch namespace, detached, its job service on a Unix socket."""
-    secret = workdir / "secret"
-    secret.write_text(secrets.token_hex(16))
-    secret.chmod(0o600)
-    sock = workdir / "jobs.sock"
-    argv = [
-        sys.executable, "-m", "switchagg_controller.cli", "serve",
-        "--listen", f"unix:{sock}", "--secret-file", str(secret), "--state", str(workdir / "ctl.db"),
-    ]  # fmt: skip
-    if spec["data_plane"] == "soft":
-        argv += ["--software", "--software-listen", f"{AGG_IP}:{protocol.UDP_PORT}"]
-        argv += ["--sw-k", str(spec["sw_k"]), "--sw-slots", str(spec["sw_slots"])]
-    else:
-        from switchagg_controller.topology import dump_topology
-
-        topo = workdir / "topology.yaml"
-        topo.write_text(dump_topology(bed.topology()))
-        argv += ["--topology", str(topo)]
-    with open(workdir / "service.log", "ab") as log:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", bed.switch_ns, *argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + SERVICE_WAIT
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = (workdir / "service.log").read_text(errors="replace")[-1500:]
-            raise CliError(f"the job service did not come up (see {workdir / 'service.log'}):\n{tail}")
-        time.sleep(0.1)
-    return proc
-
-
 def _check_tools(spec: dict[str, Any]) -> None:
     needed = ["ip", "tc"] + (["ethtool"] if spec["data_plane"] == "bmv2" else [])
     reason = tools.missing_for(needed, "switchagg-testbed")
@@ -170,7 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     bed = _bed(args.name, spec)
     try:
         bed.start()
-        service = _start_service(bed, spec, workdir)
+        service = start_job_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
     except BaseException:
         _down(args.name)
         raise
@@ -254,23 +218,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if report["up"] else 1
 
 
-def worker_env(bed: Testbed, rank: int, master_port: int, workdir: Path) -> dict[str, str]:
-    e = bed.endpoints[rank]
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(bed.n),
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": bed.endpoints[0].ip,
-        "MASTER_PORT": str(master_port),
-        "GLOO_SOCKET_IFNAME": e.ifname,
-        "SWITCHAGG_JOB_SERVICE": f"unix:{workdir / 'jobs.sock'}",
-        "SWITCHAGG_SECRET_FILE": str(workdir / "secret"),
-        "SWITCHAGG_WORKER_BIND": e.ip,
-        "SWITCHAGG_TESTBED_IP": e.ip,
-    }
-
-
 def _substitute(argv: Sequence[str], values: dict[str, str]) -> list[str]:
     out = []
     for a in argv:
@@ -293,7 +240,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     workdir = _dir(args.name)
     procs: list[subprocess.Popen[str]] = []
     for e in bed.endpoints:
-        env = {**os.environ, **worker_env(bed, e.index, args.master_port, workdir)}
+        env = {**os.environ, **worker_env(bed, e.index, workdir, args.master_port)}
         values = {"rank": str(e.index), "n": str(bed.n), "ip": e.ip, "master": bed.endpoints[0].ip}
         procs.append(
             e.popen(

@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test install install-dev lint bench p4
+.PHONY: demo test install install-dev lint bench bench-testbed p4
 
 install:
 	$(PIP) -e .
@@ -23,6 +23,10 @@ lint:
 
 bench: install-dev
 	$(PY) bench/bench_allreduce.py
+
+# Root: switchagg vs gloo on an emulated rack with rate-capped links (bench/results/testbed.*).
+bench-testbed: install-dev
+	$(PY) bench/bench_testbed.py --train
 
 p4:
 	$(MAKE) -C p4

@@ -1,0 +1,270 @@
+"""In-network aggregation against the ring, on rate-limited links: the emulated rack of
+switchagg.testbed (one namespace per worker, every link capped at R both ways by tbf), same run,
+same links, side by side:
+
+* switchagg: init_process_group("switchagg") through the testbed's job service; the software
+  aggregator in the switch namespace sums (the "switch"); each worker sends S and receives S.
+* gloo: torch's allreduce (a ring), over the same links through the switch namespace's bridge;
+  each worker sends and receives 2(n-1)/n * S.
+
+Per point it prints both times (the slowest rank's, median over --reps), gloo/switchagg, the
+fraction of the in-network bound S/R that switchagg reaches, and the CPU load of the host during
+the run (2 shared cores: where it nears 100%, the CPU, not the links, is the bottleneck). Writes
+bench/results/testbed.json and testbed.png; with --train, also the DDP step time of
+examples/train_digits.py (a wide MLP, so the gradients are large) on both backends.
+
+Needs root, iproute2 and torch. Bounded: every run has a timeout.
+    python bench/bench_testbed.py                      # full grid (~15 min)
+    python bench/bench_testbed.py --rates 200 --workers 4 --sizes 16 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+MB = 1 << 20
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: allreduce a float32 tensor of --size MB --reps times; prints its times as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    if args.backend == "switchagg":
+        import switchagg.torch  # noqa: F401 (registers the backend)
+    dist.init_process_group(args.backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.empty(args.size * MB // 4, dtype=torch.float32)
+    warm = torch.ones(1 << 16)
+    dist.all_reduce(warm)  # connections and the job are set up outside the timed part
+    times, busy, total = [], 0, 0
+    for _ in range(args.reps):
+        x.fill_(rank + 1)
+        dist.barrier()
+        b0, t0_cpu = _cpu()  # /proc/stat is the host's, whichever namespace reads it
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+        b1, t1_cpu = _cpu()
+        busy, total = busy + b1 - b0, total + t1_cpu - t0_cpu
+    want = n * (n + 1) / 2
+    err = float((x - want).abs().max())
+    report = {"rank": rank, "times": times, "max_error": err, "cpu_busy": busy / max(1, total)}
+    print(json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs; niced work (a background build) counts as idle."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    user, nice, system, idle, iowait, irq, softirq = fields
+    return user + system + irq + softirq, sum(fields)
+
+
+def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: int) -> list[str]:
+    from switchagg.testbed.service import worker_env
+
+    procs = []
+    for e in bed.endpoints:
+        env = {**os.environ, **worker_env(bed, e.index, workdir, port), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        procs.append(e.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"a rank did not finish within {timeout:.0f} s") from None
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"a rank failed ({p.returncode}): {err.strip()[-2000:]}")
+        outs.append(out)
+    return outs
+
+
+_port = iter(range(29500, 30500))
+
+
+def measure(bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--worker", "--backend", backend, "--size", str(size_mb)]
+    argv += ["--reps", str(reps)]
+    outs = _run_ranks(bed, workdir, argv, timeout, next(_port))
+    reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    slowest = [
+        max(r["times"][i] for r in reports) for i in range(reps)
+    ]  # a collective ends with its last rank
+    return {
+        "seconds": statistics.median(slowest),
+        "all_seconds": slowest,
+        "max_error": max(r["max_error"] for r in reports),
+        "cpu_busy": reports[0]["cpu_busy"],  # the host's load while rank 0 was in the allreduces
+    }
+
+
+def train(bed: Any, workdir: Path, backend: str, hidden: int, timeout: float) -> dict[str, Any]:
+    out = workdir / f"train-{backend}.json"
+    argv = [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--backend", backend]
+    argv += ["--epochs", "1", "--hidden", str(hidden), "--json", str(out)]
+    _run_ranks(bed, workdir, argv, timeout, next(_port))
+    record: dict[str, Any] = json.loads(out.read_text())["history"][-1]
+    return record
+
+
+def plot(points: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({p["rate_mbit"] for p in points}, reverse=True)
+    sizes = sorted({p["size_mb"] for p in points})
+    fig, axes = plt.subplots(
+        len(rates), len(sizes), figsize=(4 * len(sizes), 3.2 * len(rates)), squeeze=False
+    )
+    for i, rate in enumerate(rates):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            pts = sorted(
+                (p for p in points if p["rate_mbit"] == rate and p["size_mb"] == size), key=lambda p: p["n"]
+            )
+            ns = [p["n"] for p in pts]
+            ax.plot(ns, [p["gloo_s"] for p in pts], "o-", label="gloo ring")
+            ax.plot(ns, [p["switchagg_s"] for p in pts], "s-", label="switchagg")
+            ax.plot(ns, [p["ina_bound_s"] for p in pts], "k--", label="S/R (in-network bound)")
+            ax.plot(ns, [p["ring_bound_s"] for p in pts], "k:", label="2(n-1)/n S/R (ring bound)")
+            ax.set_title(f"{size} MB float32, links {rate:g} Mbit/s", fontsize=9)
+            ax.set_xlabel("workers")
+            ax.set_ylabel("allreduce time (s)")
+            ax.set_xticks(ns)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+HEADER = (
+    f"{'rate':>6} {'n':>2} {'size':>6} {'gloo s':>8} {'switchagg s':>11} {'gloo/sa':>8} "
+    f"{'S/R s':>7} {'of S/R':>7} {'cpu':>5}"
+)
+
+
+def point(bed: Any, workdir: Path, rate: float, size: int, reps: int) -> dict[str, Any]:
+    """Both systems on one testbed, one size: gloo first, then switchagg."""
+    n = bed.n
+    bound = size * MB * 8 / (rate * 1e6)
+    timeout = 120 + 20 * bound * reps
+    g = measure(bed, workdir, "gloo", size, reps, timeout)
+    s = measure(bed, workdir, "switchagg", size, reps, timeout)
+    p = {
+        "rate_mbit": rate, "n": n, "size_mb": size,
+        "gloo_s": g["seconds"], "switchagg_s": s["seconds"], "speedup": g["seconds"] / s["seconds"],
+        "ina_bound_s": bound, "ring_bound_s": 2 * (n - 1) / n * bound,
+        "switchagg_of_bound": bound / s["seconds"],
+        "gloo_of_ring_bound": 2 * (n - 1) / n * bound / g["seconds"],
+        "cpu_busy_gloo": g["cpu_busy"], "cpu_busy_switchagg": s["cpu_busy"],
+        "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
+        "runs_gloo": g["all_seconds"], "runs_switchagg": s["all_seconds"],
+    }  # fmt: skip
+    print(
+        f"{rate:6g} {n:2d} {size:4d}MB {p['gloo_s']:8.2f} {p['switchagg_s']:11.2f} {p['speedup']:7.2f}x "
+        f"{bound:7.2f} {p['switchagg_of_bound']:6.0%} {max(g['cpu_busy'], s['cpu_busy']):5.0%}",
+        flush=True,
+    )
+    return p
+
+
+def train_both(bed: Any, workdir: Path, rate: float, hidden: int) -> list[dict[str, Any]]:
+    records = []
+    for backend in ("gloo", "switchagg"):
+        rec = {
+            "rate_mbit": rate,
+            "n": bed.n,
+            "backend": backend,
+            **train(bed, workdir, backend, hidden, 1800),
+        }
+        records.append(rec)
+        print(
+            f"DDP step ({backend}, n={bed.n}, {rate:g} Mbit/s, hidden {hidden}): {rec['step_ms']:.0f} ms, "
+            f"accuracy {rec['accuracy']:.2%}",
+            flush=True,
+        )
+    g, s = records
+    print(f"DDP step time gloo/switchagg: {g['step_ms'] / s['step_ms']:.2f}x", flush=True)
+    return records
+
+
+def bench(args: argparse.Namespace) -> int:
+    from switchagg.testbed import Testbed, tools
+    from switchagg.testbed.service import start_job_service
+
+    reason = tools.missing_for(["ip", "tc"], "bench_testbed")
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    points: list[dict[str, Any]] = []
+    training: list[dict[str, Any]] = []
+    print(HEADER)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.rates:
+            for n in args.workers:
+                workdir = Path(tmp) / f"r{rate:g}n{n}"
+                with Testbed(n, workdir, data_plane="soft", rate_mbit=rate) as bed:
+                    service = start_job_service(bed, workdir, sw_k=args.k, sw_slots=args.slots)
+                    try:
+                        points += [point(bed, workdir, rate, size, args.reps) for size in args.sizes]
+                        if args.train and rate == args.rates[-1] and n == args.workers[-1]:
+                            training = train_both(bed, workdir, rate, args.hidden)
+                    finally:
+                        service.kill()
+                        service.wait(timeout=30)
+    result = {
+        "host": {"cpus": os.cpu_count(), "k": args.k, "slots": args.slots, "mtu": 9000},
+        "points": points,
+        "training": training,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    if points:
+        plot(points, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--rates", type=float, nargs="+", default=[1000, 200], help="link rates, Mbit/s")
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="MB of float32")
+    p.add_argument("--reps", type=int, default=2, help="timed allreduces per point (median)")
+    p.add_argument("--k", type=int, default=8192, help="elements per packet on the software aggregator")
+    p.add_argument("--slots", type=int, default=32, help="slots (packets in flight) per job")
+    p.add_argument("--train", action="store_true", help="also time DDP steps of train_digits.py")
+    p.add_argument("--hidden", type=int, default=2048, help="train_digits.py --hidden (gradient size)")
+    p.add_argument("--out", default=str(RESULTS / "testbed.json"))
+    args = p.parse_args()
+    return worker(args) if args.worker else bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,6 +56,10 @@ def test_a_job_through_the_soft_switch_namespace_is_exact(tmp_path: Path) -> Non
     assert _ours(prefix) == []
 
 
+NAME = f"t{os.getpid() % 10**7}"  # testbed names are host-wide: one per test process
+PREFIX = f"sat{NAME}-"
+
+
 def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "switchagg.testbed.cli", *args],
@@ -70,16 +74,16 @@ def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.Co
 def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {**os.environ, "SWITCHAGG_TESTBED_DIR": str(tmp_path / "state")}
     yield env
-    _cli("down", "--name", "tst", env=env)
+    _cli("down", "--name", NAME, env=env)
 
 
 def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None:
     env = cli_env
-    up = _cli("up", "--name", "tst", "-n", "2", "--rate", "100", env=env)
+    up = _cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
     assert up.returncode == 0, up.stderr
-    again = _cli("up", "--name", "tst", "-n", "2", "--rate", "100", env=env)
+    again = _cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
     assert again.returncode == 0 and "up already" in again.stdout, again.stderr
-    other = _cli("up", "--name", "tst", "-n", "3", env=env)
+    other = _cli("up", "--name", NAME, "-n", "3", env=env)
     assert other.returncode == 1 and "down" in other.stderr
 
     script = (
@@ -91,38 +95,38 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
         "print('sum-ok' if (x == np.arange(5000, dtype=np.int32) * 3).all() else 'sum-WRONG', "
         "s.data_plane, '{ip}'); s.close()"
     )
-    run = _cli("run", "--name", "tst", "--timeout", "120", "--", sys.executable, "-c", script, env=env)
+    run = _cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = sorted(line for line in run.stdout.splitlines() if "sum-" in line)
     assert lines == ["[h0] sum-ok software 10.201.0.1", "[h1] sum-ok software 10.201.0.2"], run.stdout
 
-    status = _cli("status", "--name", "tst", "--json", env=env)
+    status = _cli("status", "--name", NAME, "--json", env=env)
     report = json.loads(status.stdout)
     assert status.returncode == 0 and report["up"] and report["processes"] == {"service": True}
     assert all(link["up"]["bytes"] > 20000 and link["down"]["bytes"] > 20000 for link in report["links"])
 
-    failing = _cli("run", "--name", "tst", "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
+    failing = _cli("run", "--name", NAME, "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
     assert failing.returncode in (3, 4), failing.stderr
 
-    down = _cli("down", "--name", "tst", env=env)
-    assert down.returncode == 0 and _ours("sattst-") == []
-    assert not Path(env["SWITCHAGG_TESTBED_DIR"], "tst").exists()
-    gone = _cli("status", "--name", "tst", env=env)
+    down = _cli("down", "--name", NAME, env=env)
+    assert down.returncode == 0 and _ours(PREFIX) == []
+    assert not Path(env["SWITCHAGG_TESTBED_DIR"], NAME).exists()
+    gone = _cli("status", "--name", NAME, env=env)
     assert gone.returncode == 1 and "down" in gone.stdout
 
 
 def test_up_after_a_crash_sweeps_what_the_crashed_run_left(cli_env: dict[str, str]) -> None:
     env = cli_env
-    assert _cli("up", "--name", "tst", "-n", "2", env=env).returncode == 0
-    state = json.loads(Path(env["SWITCHAGG_TESTBED_DIR"], "tst", "state.json").read_text())
+    assert _cli("up", "--name", NAME, "-n", "2", env=env).returncode == 0
+    state = json.loads(Path(env["SWITCHAGG_TESTBED_DIR"], NAME, "state.json").read_text())
     os.kill(state["pids"]["service"], 9)  # the job service dies; its namespaces stay behind
     # a half-built link
-    netns.sh("ip", "link", "add", "sattst-h7", "type", "veth", "peer", "name", "sattst-h8")
-    netns.sh("ip", "netns", "add", "sattst-h5")  # and a namespace of a larger testbed
-    status = _cli("status", "--name", "tst", env=env)
+    netns.sh("ip", "link", "add", f"{PREFIX}h7", "type", "veth", "peer", "name", f"{PREFIX}h8")
+    netns.sh("ip", "netns", "add", f"{PREFIX}h5")  # and a namespace of a larger testbed
+    status = _cli("status", "--name", NAME, env=env)
     assert status.returncode == 1 and "BROKEN" in status.stdout
-    up = _cli("up", "--name", "tst", "-n", "2", env=env)
+    up = _cli("up", "--name", NAME, "-n", "2", env=env)
     assert up.returncode == 0, up.stderr
-    assert "sattst-h" not in netns.sh("ip", "-o", "link", "show")
-    assert sorted(_ours("sattst-")) == ["sattst-h0", "sattst-h1", "sattst-sw"]
-    assert _cli("status", "--name", "tst", env=env).returncode == 0
+    assert f"{PREFIX}h" not in netns.sh("ip", "-o", "link", "show")
+    assert sorted(_ours(PREFIX)) == [f"{PREFIX}h0", f"{PREFIX}h1", f"{PREFIX}sw"]
+    assert _cli("status", "--name", NAME, env=env).returncode == 0

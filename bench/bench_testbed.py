@@ -61,6 +61,10 @@ def worker(args: argparse.Namespace) -> int:
     want = n * (n + 1) / 2
     err = float((x - want).abs().max())
     report = {"rank": rank, "times": times, "max_error": err, "cpu_busy": busy / max(1, total)}
+    if args.backend == "switchagg":  # retransmissions spend capped link capacity: count them
+        stats = dist.group.WORLD.data_plane.session.stats()  # type: ignore[union-attr]
+        report["retransmits"], report["sent"] = stats["retransmits"], stats["sent"]
+        report["fast_retransmits"] = stats["fast_retransmits"]
     print(json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -114,6 +118,9 @@ def measure(bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, time
         "all_seconds": slowest,
         "max_error": max(r["max_error"] for r in reports),
         "cpu_busy": reports[0]["cpu_busy"],  # the host's load while rank 0 was in the allreduces
+        "retransmits": sum(r.get("retransmits", 0) for r in reports),
+        "sent": sum(r.get("sent", 0) for r in reports),
+        "fast_retransmits": sum(r.get("fast_retransmits", 0) for r in reports),
     }
 
 
@@ -161,7 +168,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
 
 HEADER = (
     f"{'rate':>6} {'n':>2} {'size':>6} {'gloo s':>8} {'switchagg s':>11} {'gloo/sa':>8} "
-    f"{'S/R s':>7} {'of S/R':>7} {'cpu':>5}"
+    f"{'S/R s':>7} {'of S/R':>7} {'cpu':>5} {'resent':>6}"
 )
 
 
@@ -181,10 +188,12 @@ def point(bed: Any, workdir: Path, rate: float, size: int, reps: int) -> dict[st
         "cpu_busy_gloo": g["cpu_busy"], "cpu_busy_switchagg": s["cpu_busy"],
         "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
         "runs_gloo": g["all_seconds"], "runs_switchagg": s["all_seconds"],
+        "retransmits": s["retransmits"], "fast_retransmits": s["fast_retransmits"], "packets_sent": s["sent"],
     }  # fmt: skip
     print(
         f"{rate:6g} {n:2d} {size:4d}MB {p['gloo_s']:8.2f} {p['switchagg_s']:11.2f} {p['speedup']:7.2f}x "
-        f"{bound:7.2f} {p['switchagg_of_bound']:6.0%} {max(g['cpu_busy'], s['cpu_busy']):5.0%}",
+        f"{bound:7.2f} {p['switchagg_of_bound']:6.0%} {max(g['cpu_busy'], s['cpu_busy']):5.0%} "
+        f"{s['retransmits']:6d} ({s['fast_retransmits']} fast)",
         flush=True,
     )
     return p

@@ -59,6 +59,7 @@ def test_loss_and_duplication_give_identical_results(tmp_path: Path) -> None:
             f = counters["faults"]
             assert f["dropped_in"] > 0 and f["dropped_out"] > 0 and f["duplicated_in"] > 0
             assert sum(s["retransmits"] for s in stats) > 0
+            assert sum(s["fast_retransmits"] for s in stats) > 0  # later results revealed losses
             assert counters["jobs"][1]["resent"] > 0
         outs.append([np.load(d / f"job1_rank{r}.npz") for r in range(n)])
     for rank in range(n):

@@ -1,5 +1,11 @@
 /* The worker's packet path: one allreduce streams a tensor through the job's slots with a
- * window of one chunk per slot, retransmits on timeout, and dequantizes results in place.
+ * window of one chunk per slot, retransmits what was lost, and dequantizes results in place.
+ *
+ * Loss detection is TCP's, per slot instead of per byte: a packet is resent when FAST_RETRANSMIT
+ * packets sent after it were answered first (results come back in send order unless something
+ * was lost), or when nothing at all was answered for the retransmission timeout. A result restarts
+ * every timer, so packets queued behind others on a slow or rate-capped link are not resent just
+ * because the queue is long.
  * Everything between the Python call and its return runs here with the GIL released. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -16,6 +22,7 @@
 #include "quant.h"
 
 #define BATCH 64
+#define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_DONE };
 
@@ -25,6 +32,8 @@ typedef struct {
     uint64_t deadline; /* ns: retransmit when no result by then */
     uint64_t rto;      /* current retransmission timeout, ns */
     uint64_t sent_at;  /* ns: first transmission of the outstanding packet */
+    uint64_t seq;      /* order of its latest transmission within the allreduce */
+    int passed;        /* results of packets sent after it that came back before its own */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
 } slot_t;
@@ -49,7 +58,7 @@ typedef struct {
     uint64_t rto_ns, rto_max_ns, timeout_ns;
     uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across allreduces */
     /* statistics */
-    unsigned long long sent, retransmits, results, stale, allreduces, bytes;
+    unsigned long long sent, retransmits, fast_retransmits, results, stale, allreduces, bytes;
 } Worker;
 
 static PyObject *SwitchaggError, *SwitchaggTimeout;
@@ -173,6 +182,8 @@ typedef struct {
     size_t active, done;
     size_t outstanding; /* sent and unanswered, at most w->window */
     size_t bad_index;
+    uint64_t seq;         /* transmissions so far */
+    uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
 } run_t;
 
 enum { RUN_OK = 0, RUN_NONFINITE, RUN_TIMEOUT, RUN_OSERROR, RUN_NOMEM };
@@ -307,6 +318,8 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->deadline = now + s->rto;
     s->sent_at = now;
     s->retried = 0;
+    s->seq = ++r->seq;
+    s->passed = 0;
     r->outstanding++;
 }
 
@@ -329,6 +342,32 @@ static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
             if (r->slots[i].queued && (best == r->active || r->slots[i].chunk < r->slots[best].chunk)) best = i;
         start_timer(r, best, now); /* queued > room: one is always found */
         out[nout++] = best;
+    }
+    return nout;
+}
+
+/* Slot i's result came: every packet still outstanding that was sent before it was passed. */
+static void note_passed(run_t *r, size_t i) {
+    uint64_t seq = r->slots[i].seq;
+    for (size_t j = 0; j < r->active; j++) {
+        slot_t *s = &r->slots[j];
+        if (j != i && s->phase != SLOT_DONE && !s->queued && s->seq < seq) s->passed++;
+    }
+}
+
+/* Outstanding packets passed FAST_RETRANSMIT times are taken for lost: resend them now, with the
+ * same timeout (as TCP, a fast retransmit does not back off). Appends them to `out`. */
+static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout) {
+    for (size_t j = 0; j < r->active; j++) {
+        slot_t *s = &r->slots[j];
+        if (s->phase == SLOT_DONE || s->queued || s->passed < FAST_RETRANSMIT) continue;
+        s->passed = 0;
+        s->seq = ++r->seq;
+        s->retried = 1;
+        s->deadline = now + s->rto;
+        out[nout++] = j;
+        r->w->fast_retransmits++;
+        r->w->retransmits++;
     }
     return nout;
 }
@@ -424,11 +463,12 @@ static int run_allreduce(run_t *r) {
                     continue;
                 }
                 w->results++;
-                last_progress = now;
+                last_progress = r->last_result = now;
                 r->outstanding--;
+                note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
             }
-            nq = release(r, now, queue, 0);
+            nq = release(r, now, queue, fast_retransmits(r, now, queue, 0));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
             rc = RUN_OSERROR;
@@ -441,13 +481,17 @@ static int run_allreduce(run_t *r) {
             for (size_t i = 0; i < r->active; i++) {
                 slot_t *s = &r->slots[i];
                 if (s->phase == SLOT_DONE || s->queued) continue;
-                if (s->deadline <= now) {
+                /* any result restarts the timer: a queue that drains is not a loss */
+                uint64_t due = s->deadline > r->last_result + s->rto ? s->deadline : r->last_result + s->rto;
+                if (due <= now) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
-                    s->deadline = now + s->rto;
+                    due = s->deadline = now + s->rto;
                     s->retried = 1;
+                    s->seq = ++r->seq;
+                    s->passed = 0;
                     queue[nq++] = i;
                 }
-                if (s->deadline < soonest) soonest = s->deadline;
+                if (due < soonest) soonest = due;
             }
             w->retransmits += nq;
             if (nq && send_slots(r, queue, nq) < 0) {
@@ -525,8 +569,9 @@ static PyObject *worker_allreduce(Worker *w, PyObject *args) {
 }
 
 static PyObject *worker_stats(Worker *w, PyObject *unused) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "sent", w->sent, "retransmits", w->retransmits, "results",
-                         w->results, "stale", w->stale, "allreduces", w->allreduces, "bytes_sent", w->bytes);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "sent", w->sent, "retransmits", w->retransmits,
+                         "fast_retransmits", w->fast_retransmits, "results", w->results, "stale", w->stale,
+                         "allreduces", w->allreduces, "bytes_sent", w->bytes);
 }
 
 static PyObject *worker_close(Worker *w, PyObject *unused) {

@@ -20,6 +20,7 @@ from switchagg.testbed.tools import tool_env
 
 _CLONE_NEWNET = 0x40000000
 _veths = itertools.count(1)
+QUEUE_BYTES = 4 << 20  # the least a capped link queues before it drops
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -143,12 +144,14 @@ def veth(a: str, ns_a: str, b: str, ns_b: str, mtu: int) -> None:
 def cap_rate(ns: str, ifname: str, mbit: float) -> None:
     """Caps what leaves ``ifname`` at ``mbit`` Mbit/s with a token bucket (netem and fq are not
     available everywhere; tbf is). The bucket holds ~4 ms of traffic (at least 64 kB) so that a
-    GSO burst passes and the rate holds over any window longer than that."""
+    GSO burst passes; the queue behind it holds 100 ms of traffic but at least 4 MB, a switch
+    port's share of a deep buffer, so that a job's window of packets is queued, not dropped."""
     rate_bytes = mbit * 1e6 / 8
     burst = max(64 * 1024, int(rate_bytes * 0.004))
+    limit = max(QUEUE_BYTES, int(rate_bytes * 0.1))
     sh(
         "tc", "qdisc", "replace", "dev", ifname, "root", "tbf",
-        "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms", ns=ns,
+        "rate", f"{mbit}mbit", "burst", str(burst), "limit", str(limit), ns=ns,
     )  # fmt: skip
 
 

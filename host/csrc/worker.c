@@ -2,8 +2,11 @@
  * window of one chunk per slot, retransmits what was lost, and dequantizes results in place.
  *
  * Loss detection is TCP's, per slot instead of per byte: a packet is resent when FAST_RETRANSMIT
- * packets sent after it were answered first (results come back in send order unless something
- * was lost), or when nothing at all was answered for the retransmission timeout. A result restarts
+ * packets first sent after it were answered first (a slot completes when its last worker's packet
+ * arrives, and every worker first sends in the order results came, the same for all: so results
+ * come in first-send order unless something was lost), or when nothing at all was answered for
+ * the retransmission timeout. Ordering by the latest transmission instead would turn one
+ * worker's resend into reordering for the others. A result restarts
  * every timer, so packets queued behind others on a slow or rate-capped link are not resent just
  * because the queue is long.
  * Everything between the Python call and its return runs here with the GIL released. */
@@ -32,8 +35,9 @@ typedef struct {
     uint64_t deadline; /* ns: retransmit when no result by then */
     uint64_t rto;      /* current retransmission timeout, ns */
     uint64_t sent_at;  /* ns: first transmission of the outstanding packet */
-    uint64_t seq;      /* order of its latest transmission within the allreduce */
+    uint64_t seq;      /* order of its first transmission: the order every worker sends, so results come in it */
     int passed;        /* results of packets sent after it that came back before its own */
+    int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
 } slot_t;
@@ -320,6 +324,7 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->retried = 0;
     s->seq = ++r->seq;
     s->passed = 0;
+    s->fast_done = 0;
     r->outstanding++;
 }
 
@@ -358,11 +363,15 @@ static void note_passed(run_t *r, size_t i) {
 /* Outstanding packets passed FAST_RETRANSMIT times are taken for lost: resend them now, with the
  * same timeout (as TCP, a fast retransmit does not back off). Appends them to `out`. */
 static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout) {
+    /* As RACK (RFC 8985): a passed packet is lost only once it is older than a round trip and a
+     * quarter; results of a CPU-starved aggregator come back a few places out of order. */
+    uint64_t srtt = r->w->srtt_ns ? r->w->srtt_ns : r->w->rto_ns;
+    uint64_t reorder_age = srtt + srtt / 4;
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
-        if (s->phase == SLOT_DONE || s->queued || s->passed < FAST_RETRANSMIT) continue;
-        s->passed = 0;
-        s->seq = ++r->seq;
+        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->passed < FAST_RETRANSMIT) continue;
+        if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
+        s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
         s->retried = 1;
         s->deadline = now + s->rto;
         out[nout++] = j;
@@ -487,8 +496,6 @@ static int run_allreduce(run_t *r) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
                     due = s->deadline = now + s->rto;
                     s->retried = 1;
-                    s->seq = ++r->seq;
-                    s->passed = 0;
                     queue[nq++] = i;
                 }
                 if (due < soonest) soonest = due;

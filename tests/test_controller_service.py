@@ -208,3 +208,23 @@ def test_a_worker_that_gives_up_waiting_is_forgotten(controller: Controller) -> 
         if "impatient" not in controller.ctl("jobs", *controller.client_args()).stdout:
             break
     assert "impatient" not in controller.ctl("jobs", *controller.client_args()).stdout
+
+
+def test_a_worker_bound_to_any_address_reports_a_real_one(tmp_path: Path) -> None:
+    """The controller pins what a worker reports; a socket bound to 0.0.0.0 reports the address
+    routed towards the job service instead (the controller refuses 0.0.0.0), and a Unix-socket
+    service asks for an explicit one."""
+    import numpy as np
+
+    from switchagg import Session
+
+    c = Controller(tmp_path, ["--software", "--software-listen", "127.0.0.1:0"]).start()
+    try:
+        with Session.from_job_service(c.address, SECRET, "any", 1, bind=("0.0.0.0", 0)) as s:
+            x = np.arange(10, dtype=np.int32)
+            s.allreduce(x)  # the aggregator answers the pinned, real address
+            assert x.tolist() == list(range(10))
+    finally:
+        c.stop()
+    with pytest.raises(ValueError, match="cannot tell the job service"):
+        Session.from_job_service(f"unix:{tmp_path}/none.sock", SECRET, "any", 1, bind=("0.0.0.0", 0))

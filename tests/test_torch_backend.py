@@ -188,3 +188,5 @@ def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
         assert r["error"] == "SwitchaggTimeout", r
         assert r["is_switchagg_error"]
         assert r["seconds"] >= timeout * 0.5  # it waited for the peer rather than failing at once
+        # A DDP step afterwards raises in backward() (it used to crash the process in C++).
+        assert r["ddp_error"] == "RuntimeError" and "switchagg" in r["ddp_message"].lower(), r

@@ -237,6 +237,7 @@ def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
 def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
     """The last rank parks after one allreduce; the test SIGKILLs it, then the others try again."""
     dist.init_process_group("switchagg")
+    ddp = DDP(make_model(), bucket_cap_mb=CAP_MB)  # built while every rank lives (it broadcasts)
     t = torch.ones(K + 5)
     dist.all_reduce(t)
     (out_dir / f"ready{rank}").write_text(str(os.getpid()))
@@ -260,6 +261,13 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
         result["message"] = str(e)
         result["is_switchagg_error"] = isinstance(e, switchagg.SwitchaggError)
     result["seconds"] = time.monotonic() - start
+    # DDP's reducer reads the failed future in C++: a clear error, not a crash of the process.
+    try:
+        ddp(torch.randn(4, 32)).sum().backward()
+        result["ddp_error"] = None
+    except Exception as e:
+        result["ddp_error"] = type(e).__name__
+        result["ddp_message"] = str(e)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -23,23 +23,35 @@ class FutureWork(dist.Work):
         finish: Callable[[], list[torch.Tensor]],
     ) -> None:
         super().__init__()
-        self._torch_future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         self._pending = pending
         self._finish = finish
+        self._value: list[torch.Tensor] = []
+        self._error: BaseException | None = None
+        # C++ readers (DDP's reducer) must see a failure as the future's error. A Python
+        # set_exception() stores the exception object as the *value*, which the reducer then
+        # takes for tensors and crashes on; an exception raised in a then() callback is a real one.
+        self._done: torch.futures.Future[None] = torch.futures.Future()
+        self._torch_future: torch.futures.Future[list[torch.Tensor]] = self._done.then(self._unwrap)
         pending.add_done_callback(self._complete)
 
     def _complete(self, pending: concurrent.futures.Future[None]) -> None:
         try:
             pending.result()
-            value = self._finish()
+            self._value = self._finish()
         except BaseException as e:  # the torch future carries the error to whoever waits
-            self._torch_future.set_exception(e)  # type: ignore[arg-type]  # torch's stub is wrong
-        else:
-            self._torch_future.set_result(value)
+            self._error = e
+        self._done.set_result(None)
+
+    def _unwrap(self, _: torch.futures.Future[None]) -> list[torch.Tensor]:
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         # Blocks without the GIL; the session's own timeout bounds it when a peer dies.
-        self._torch_future.wait()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error  # as it was raised (e.g. SwitchaggTimeout), not torch's wrapper
         return True
 
     def is_completed(self) -> bool:

@@ -6,9 +6,8 @@
  * arrives, and every worker first sends in the order results came, the same for all: so results
  * come in first-send order unless something was lost), or when nothing at all was answered for
  * the retransmission timeout. Ordering by the latest transmission instead would turn one
- * worker's resend into reordering for the others. A result restarts
- * every timer, so packets queued behind others on a slow or rate-capped link are not resent just
- * because the queue is long.
+ * worker's resend into reordering for the others. A result restarts every timer, so packets
+ * queued behind others on a slow or rate-capped link are not resent just because the queue is long.
  * Everything between the Python call and its return runs here with the GIL released. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -186,7 +185,7 @@ typedef struct {
     size_t active, done;
     size_t outstanding; /* sent and unanswered, at most w->window */
     size_t bad_index;
-    uint64_t seq;         /* transmissions so far */
+    uint64_t seq;         /* first transmissions so far (resends keep their packet's place) */
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
 } run_t;
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import threading
 import warnings
 from typing import Any
@@ -188,8 +189,6 @@ def _source_address(service: str) -> str:
             f"a worker bound to 0.0.0.0 cannot tell the job service {service!r} its address: "
             "bind it to the IP the aggregator should send to"
         )
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host.strip("[]"), 9))
         ip: str = s.getsockname()[0]

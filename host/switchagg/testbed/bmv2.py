@@ -132,9 +132,6 @@ class Bmv2Switch:
             raise TestbedError(f"simple_switch_CLI failed: {p.stderr.strip()}")
         return p.stdout
 
-    def register(self, name: str, index: int) -> int:
-        return self.registers(name, [index])[0]
-
     def registers(self, name: str, indices: Sequence[int]) -> list[int]:
         """Several cells of one register array in one CLI run."""
         out = self.cli("".join(f"register_read {name} {i}\n" for i in indices))

@@ -82,20 +82,10 @@ def _load(name: str) -> dict[str, Any] | None:
     return state
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"  # a zombie (no reaper in some containers) is gone
-
-
 def _healthy(name: str, state: dict[str, Any]) -> bool:
     bed = _bed(name, state["spec"])
     pids = state.get("pids", {}).values()
-    return bed.built() and all(_alive(p) for p in pids)
+    return bed.built() and all(netns.pid_alive(p) for p in pids)
 
 
 def _check_tools(spec: dict[str, Any]) -> None:
@@ -155,7 +145,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _down(name: str) -> list[str]:
     state = _load(name)
     for pid in (state or {}).get("pids", {}).values():
-        if _alive(pid) and _group_leader(pid):  # started in a session of its own by `up`
+        if netns.pid_alive(pid) and _group_leader(pid):  # started in a session of its own by `up`
             os.killpg(pid, signal.SIGKILL)
     gone = remove(_prefix(name))
     shutil.rmtree(_dir(name), ignore_errors=True)
@@ -189,11 +179,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     bed = _bed(args.name, state["spec"])
     built = bed.built()
+    processes = {k: netns.pid_alive(p) for k, p in state["pids"].items()}
     report = {
         "name": args.name,
-        "up": built and _healthy(args.name, state),
+        "up": built and all(processes.values()),
         "spec": state["spec"],
-        "processes": {k: _alive(p) for k, p in state["pids"].items()},
+        "processes": processes,
         "service": f"unix:{_dir(args.name) / 'jobs.sock'}",
         "links": bed.link_stats() if built else [],
     }

@@ -103,14 +103,15 @@ def remove_matching(pattern: re.Pattern[str]) -> list[str]:
     return gone
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def pid_alive(pid: int | None) -> bool:
+    """Whether the process runs; a zombie (no reaper in some containers) counts as gone."""
+    if not pid:
         return False
-    except PermissionError:
-        pass
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 _TEMP_LINK = re.compile(r"^tv(\d+)[ab]\d+$")
@@ -121,11 +122,11 @@ def sweep_dead_owners(pattern: re.Pattern[str]) -> None:
     that is gone: what a killed test run left behind."""
     for name in namespaces():
         m = pattern.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             del_netns(name)
     for link in _root_links():
         m = _TEMP_LINK.match(link)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             sh("ip", "link", "del", link, check=False)
 
 

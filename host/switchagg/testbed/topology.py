@@ -103,18 +103,6 @@ class Testbed:
     def grpc_address(self) -> str:
         return self._bmv2().grpc_address
 
-    def switch_alive(self) -> bool:
-        return self._bmv2().alive()
-
-    def switch_log(self) -> str:
-        return self._bmv2().log()
-
-    def cli(self, commands: str) -> str:
-        return self._bmv2().cli(commands)
-
-    def register(self, name: str, index: int) -> int:
-        return self._bmv2().register(name, index)
-
     def registers(self, name: str, indices: list[int]) -> list[int]:
         return self._bmv2().registers(name, indices)
 

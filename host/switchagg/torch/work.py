@@ -49,9 +49,12 @@ class FutureWork(dist.Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         # Blocks without the GIL; the session's own timeout bounds it when a peer dies.
-        self._done.wait()
-        if self._error is not None:
-            raise self._error  # as it was raised (e.g. SwitchaggTimeout), not torch's wrapper
+        try:
+            self._torch_future.wait()
+        except Exception:
+            if self._error is not None:
+                raise self._error from None  # as it was raised (e.g. SwitchaggTimeout), not torch's wrapper
+            raise
         return True
 
     def is_completed(self) -> bool:

@@ -327,17 +327,22 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     r->outstanding++;
 }
 
-/* Move queued slots into the window, lowest chunk first, and append them to `out`. When all of
- * them fit (the usual case: the window is the job's slot count) one pass releases them all. */
+/* Move queued slots into the window, lowest chunk first, and append them to `out`. Chunk order
+ * is what makes every worker send in the same order however its results were batched, which
+ * fast retransmit relies on. When all of them fit (the usual case: the window is the job's slot
+ * count) they are released at once, sorted by chunk (an insertion sort: few, nearly in order). */
 static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
     size_t room = (size_t)r->w->window - r->outstanding, queued = 0;
     for (size_t i = 0; i < r->active; i++) queued += r->slots[i].queued != 0;
     if (queued <= room) {
-        for (size_t i = 0; i < r->active; i++)
-            if (r->slots[i].queued) {
-                start_timer(r, i, now);
-                out[nout++] = i;
-            }
+        size_t first = nout;
+        for (size_t i = 0; i < r->active; i++) {
+            if (!r->slots[i].queued) continue;
+            size_t j = nout++;
+            for (; j > first && r->slots[out[j - 1]].chunk > r->slots[i].chunk; j--) out[j] = out[j - 1];
+            out[j] = i;
+        }
+        for (size_t j = first; j < nout; j++) start_timer(r, out[j], now);
         return nout;
     }
     for (; room > 0; room--) {

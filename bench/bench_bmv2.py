@@ -39,7 +39,7 @@ from switchagg import protocol  # noqa: E402
 from switchagg.testbed import Endpoint, Testbed  # noqa: E402
 from switchagg.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
 from switchagg_controller import p4_program  # noqa: E402
-from switchagg_controller.p4runtime_client import SwitchConnection  # noqa: E402
+from switchagg_controller.switch_session import SwitchSession  # noqa: E402
 
 FRAME_LEN = 14 + 20 + 8 + protocol.packet_len(protocol.P4_K)  # 314 bytes, both kinds
 
@@ -115,7 +115,7 @@ def measure_l2(a: Endpoint, b: Endpoint, frames: int, timeout: float) -> float:
     return (sum(r.count for r in got) - 1) / window if window > 0 else 0.0
 
 
-def measure_agg(bed: Testbed, switch: SwitchConnection, frames: int, timeout: float) -> float:
+def measure_agg(bed: Testbed, switch: SwitchSession, frames: int, timeout: float) -> float:
     a, b = bed.endpoints[0], bed.endpoints[1]
     pool = 2 * protocol.P4_NUM_SLOTS  # (slot, set) pairs: one use each per pass
     per_rank: dict[int, list[bytes]] = {0: [], 1: []}
@@ -169,10 +169,10 @@ def main() -> int:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp, Testbed(2, Path(tmp)) as bed:
-        switch = SwitchConnection(bed.grpc_address, bed.device_id)
-        switch.connect()
+        switch = SwitchSession(
+            bed.grpc_address, bed.device_id, p4_program.P4INFO, p4_program.BMV2_JSON, force_pipeline=True
+        ).open()
         try:
-            switch.set_pipeline(p4_program.BMV2_JSON, p4_program.P4INFO)
             switch.apply(p4_program.desired_state(bed.topology(), []))
             l2, agg = [], []
             for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike

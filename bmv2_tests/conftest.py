@@ -27,9 +27,9 @@ def _skip_reason() -> str | None:
     if reason:
         return reason
     try:
-        import switchagg_controller.p4runtime_client  # noqa: F401
+        import switchagg_controller.switch_session  # noqa: F401
     except ImportError as e:
-        return f"the P4Runtime client (switchagg_controller.p4runtime_client) is not importable: {e}"
+        return f"the controller's P4Runtime side (finsy) is not importable: {e}"
     try:
         import scapy  # noqa: F401
     except ImportError:
@@ -55,15 +55,13 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def switch(bed: Any) -> Iterator[Any]:
     from switchagg_controller import p4_program
-    from switchagg_controller.p4runtime_client import SwitchConnection
+    from switchagg_controller.switch_session import SwitchSession
 
-    conn = SwitchConnection(bed.grpc_address, bed.device_id)
-    conn.connect()
-    conn.set_pipeline(p4_program.BMV2_JSON, p4_program.P4INFO)
-    try:
-        yield conn
-    finally:
-        conn.close()
+    session = SwitchSession(
+        bed.grpc_address, bed.device_id, p4_program.P4INFO, p4_program.BMV2_JSON, force_pipeline=True
+    )
+    with session:
+        yield session
 
 
 @pytest.fixture

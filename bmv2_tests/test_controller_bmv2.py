@@ -17,7 +17,8 @@ from switchagg import jobclient, protocol
 from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
-from switchagg_controller.p4runtime_client import P4RuntimeError, SwitchConnection
+from switchagg_controller.p4rt import P4RuntimeError
+from switchagg_controller.switch_session import SwitchSession
 from switchagg_controller.topology import parse_topology
 
 
@@ -26,34 +27,30 @@ def _job(job_id: int = 7, generation: int = 5, base: int = 0, count: int = 32, i
     return Job(job_id, f"job{job_id}", 2, base, count, protocol.P4_K, generation, workers, index)
 
 
-def _job_entries(conn: SwitchConnection) -> dict[int, dict[str, int]]:
+def _job_entries(conn: SwitchSession) -> dict[int, dict[str, int]]:
     """job id -> the job table entry's parameters, as read back from the switch."""
-    p4 = conn.p4
-    table_id = p4.table_id(p4_program.JOB_TABLE)
+    table = conn.p4info.tables[p4_program.JOB_TABLE]
     out = {}
     for e in conn.read_table_entries():
-        if e.table_id != table_id:
+        if e.table_id != table.id:
             continue
         a = e.action.action
-        names = {f.id: f.name for f in p4.params[a.action_id].values()}
+        names = {p.id: p.name for p in conn.p4info.actions[a.action_id].params}
         job_id = int.from_bytes(e.match[0].exact.value, "big")
         out[job_id] = {names[p.param_id]: int.from_bytes(p.value, "big") for p in a.params}
     return out
 
 
-def _reader(address: str) -> SwitchConnection:
-    conn = SwitchConnection(address, 0).connect(primary=False)
-    conn.load_p4info(p4_program.P4INFO)
-    return conn
+def _reader(address: str) -> SwitchSession:
+    return SwitchSession(address, 0, p4_program.P4INFO, primary=False).open()
 
 
 def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:  # noqa: F811
     topo = parse_topology(topology_yaml(bmv2.grpc_address))
     job = _job()
     state = p4_program.desired_state(topo, [job])
-    with SwitchConnection(bmv2.grpc_address, 0) as conn:
-        conn.set_pipeline(p4_program.BMV2_JSON, p4_program.P4INFO)
-        assert conn.get_pipeline_cookie() is not None
+    with SwitchSession(bmv2.grpc_address, 0, p4_program.P4INFO, p4_program.BMV2_JSON) as conn:
+        assert conn.is_primary and not conn.held_state  # a fresh switch: finsy pushed the pipeline
         assert conn.apply(state) == len(state.entries) + len(state.groups)
         assert conn.apply(state) == 0  # nothing differs: nothing is written
 
@@ -83,9 +80,16 @@ def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:  # noqa: 
 
 
 def test_a_second_controller_is_not_primary(bmv2: Bmv2Switch) -> None:  # noqa: F811
-    with SwitchConnection(bmv2.grpc_address, 0, election_id=(0, 2)):
-        with pytest.raises(P4RuntimeError, match="not primary"):
-            SwitchConnection(bmv2.grpc_address, 0, election_id=(0, 1)).connect()
+    topo = parse_topology(topology_yaml(bmv2.grpc_address))
+    state = p4_program.desired_state(topo, [])
+    json_path, p4info = p4_program.BMV2_JSON, p4_program.P4INFO
+    with SwitchSession(bmv2.grpc_address, 0, p4info, json_path, election_id=(0, 2)) as first:
+        assert first.is_primary
+        with SwitchSession(bmv2.grpc_address, 0, p4info, json_path, election_id=(0, 1)) as second:
+            assert not second.is_primary  # a backup: the switch refuses its writes
+            with pytest.raises(P4RuntimeError, match="PERMISSION_DENIED|not primary|[Mm]aster"):
+                second.apply(state)
+        assert first.apply(state) > 0 and first.apply(state) == 0  # the primary still writes
 
 
 def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811

@@ -11,6 +11,7 @@ switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -88,34 +89,39 @@ def _serve(args: argparse.Namespace) -> int:
             "serve needs --topology (the P4 switch) or --software (an embedded software aggregator)"
         )
     planes: list[DataPlane] = []
-    supervisor = None
+    fleet = None
     aggregator = None
     store = Store(args.state)
     manager: JobManager | None = None
     if args.topology:
         from switchagg_controller import p4_program
-        from switchagg_controller.supervisor import SwitchSupervisor
-        from switchagg_controller.topology import load_topology
+        from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
+        from switchagg_controller.topology import load_topologies
 
-        topology = load_topology(args.topology)
+        topologies = load_topologies(args.topology)
         json_path, p4info = _p4_artifacts(args)
-        holder: list[P4DataPlane] = []
+        p4_plane = P4DataPlane(topologies, default_slots=args.p4_slots)
 
-        def on_restart() -> None:  # the switch lost its state: new generations for all its jobs
+        def on_restart(switch: str) -> None:  # the switch lost its state: new generations for its jobs
             if manager is not None:
-                holder[0].set_jobs(manager.bump_generations(allocation.P4))
+                p4_plane.set_jobs(
+                    manager.bump_generations(allocation.P4, lambda job: p4_plane.switch_of(job) == switch)
+                )
 
-        supervisor = SwitchSupervisor(
-            topology.switch_address,
-            topology.device_id,
-            json_path,
-            p4info,
-            desired=lambda: holder[0].desired(),
-            on_restart=on_restart,
-            election_id=topology.election_id,
-        )
-        holder.append(P4DataPlane(topology, supervisor, default_slots=args.p4_slots))
-        planes.append(holder[0])
+        supervisors = [
+            SwitchSupervisor(
+                t,
+                json_path,
+                p4info,
+                desired=functools.partial(p4_plane.desired, t.name),
+                on_restart=functools.partial(on_restart, t.name),
+            )
+            for t in topologies
+        ]
+        for s in supervisors:
+            p4_plane.attach(s)
+        fleet = SwitchFleet(supervisors)
+        planes.append(p4_plane)
         max_counter_index = p4_program.MAX_JOBS
     else:
         max_counter_index = 0
@@ -137,14 +143,16 @@ def _serve(args: argparse.Namespace) -> int:
         max_counter_index=max_counter_index,
     )
     reloaded = manager.reload()
-    if supervisor is not None:
-        supervisor.start()
-        # Joins that arrive before the switch is programmed would fail; wait for it (bounded).
-        if not supervisor.wait_ready(args.switch_wait):
-            print(
-                f"switchagg-ctl: warning: the switch is not ready yet ({supervisor.last_error})",
-                file=sys.stderr,
-            )
+    if fleet is not None:
+        fleet.start()
+        # Joins that arrive before the switches are programmed would fail; wait for them (bounded).
+        if not fleet.wait_ready(args.switch_wait):
+            for s in fleet.supervisors:
+                if not s.ready:
+                    print(
+                        f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
+                        file=sys.stderr,
+                    )
     server, port = make_server(manager, secret, args.listen)
     server.start()
     reaper = Reaper(manager).start()
@@ -162,8 +170,8 @@ def _serve(args: argparse.Namespace) -> int:
     done.wait()
     server.stop(grace=1.0).wait(5.0)
     reaper.stop()
-    if supervisor is not None:
-        supervisor.stop()
+    if fleet is not None:
+        fleet.stop()
     if aggregator is not None:
         aggregator.stop()
     store.close()
@@ -266,52 +274,57 @@ def _counters(args: argparse.Namespace) -> int:
 
 
 def _switch_counters(args: argparse.Namespace) -> str:
-    """Counters read straight from the switch (no job service needed); indices, not job ids."""
+    """Counters read straight from the switches (no job service needed); indices, not job ids."""
     from switchagg_controller import p4_program
-    from switchagg_controller.p4runtime_client import SwitchConnection
-    from switchagg_controller.topology import load_topology
+    from switchagg_controller.switch_session import SwitchSession
+    from switchagg_controller.topology import load_topologies
 
-    topology = load_topology(args.topology)
+    topologies = load_topologies(args.topology)
     _, p4info = _p4_artifacts(args)
-    conn = SwitchConnection(topology.switch_address, topology.device_id, topology.election_id)
-    conn.connect(primary=False)  # reads only: the running controller stays primary
-    try:
-        conn.load_p4info(p4info)
-        drops = conn.read_counter(p4_program.DROP_COUNTER)
-        lines = [
+    blocks = []
+    for t in topologies:
+        # Reads only: the running controller stays primary.
+        with SwitchSession(t.switch_address, t.device_id, p4info, primary=False) as s:
+            drops = s.read_counter(p4_program.DROP_COUNTER)
+            per_job = {name: s.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
+        lines = [f"[{t.name}]"] if len(topologies) > 1 else []
+        lines.append(
             "drops: "
             + "  ".join(f"{n} {drops.get(i, (0, 0))[1]}" for i, n in enumerate(protocol.DROP_REASONS))
-        ]
-        per_job = {name: conn.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
-    finally:
-        conn.close()
-    indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
-    lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
-    for i in indices:
-        lines.append(
-            f"{i:>6} " + " ".join(f"{per_job[n].get(i, (0, 0))[1]:>16}" for n in protocol.JOB_COUNTERS)
         )
-    return "\n".join(lines)
+        indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
+        lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
+        for i in indices:
+            lines.append(
+                f"{i:>6} " + " ".join(f"{per_job[n].get(i, (0, 0))[1]:>16}" for n in protocol.JOB_COUNTERS)
+            )
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
 
 
 def _push(args: argparse.Namespace) -> int:
     """Pipeline and L2 state only; jobs are the running controller's business."""
     from switchagg_controller import p4_program
-    from switchagg_controller.p4runtime_client import SwitchConnection
-    from switchagg_controller.topology import load_topology
+    from switchagg_controller.switch_session import SwitchSession
+    from switchagg_controller.topology import load_topologies
 
-    topology = load_topology(args.topology)
     json_path, p4info = _p4_artifacts(args)
-    state = p4_program.desired_state(topology, [])
-    with SwitchConnection(topology.switch_address, topology.device_id, topology.election_id) as conn:
-        if args.force_pipeline:
-            conn.set_pipeline(json_path, p4info)
-            pushed = True
-        else:
-            pushed = conn.ensure_pipeline(json_path, p4info)
-        changes = conn.apply(state, delete_others=not args.keep_jobs)
-    what = f"pushed {json_path.name}" if pushed else f"{json_path.name} already running"
-    print(f"{what} on {topology.switch_address}: {changes} change(s)")
+    for t in load_topologies(args.topology):
+        state = p4_program.desired_state(t, [])
+        with SwitchSession(
+            t.switch_address,
+            t.device_id,
+            p4info,
+            json_path,
+            t.election_id,
+            force_pipeline=args.force_pipeline,
+        ) as s:
+            if not s.is_primary:
+                raise CliError(f"{t.switch_address}: another controller is primary (higher election id)")
+            changes = s.apply(state, delete_others=not args.keep_jobs)
+        # A switch that held no entries was empty: finsy pushed the pipeline (or it was fresh).
+        what = f"{json_path.name} already running" if s.held_state else f"pushed {json_path.name}"
+        print(f"{what} on {t.switch_address}: {changes} change(s)")
     return 0
 
 
@@ -328,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_secret(p)
     p.add_argument("--state", default="switchagg-ctl.db", help="SQLite state file (default %(default)s)")
-    p.add_argument("--topology", help="topology YAML of the P4 switch")
+    p.add_argument("--topology", help="topology YAML of the P4 switch (or switches)")
     _add_p4(p)
     p.add_argument("--software", action="store_true", help="serve jobs on an embedded software aggregator")
     p.add_argument(
@@ -378,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
+    if not args.verbose:  # finsy reports every reconnection; our supervisor says what matters
+        logging.getLogger("finsy").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
@@ -388,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         known: tuple[type[Exception], ...] = (CliError, TopologyError, JobError, OSError, ValueError)
         try:
-            from switchagg_controller.p4runtime_client import P4RuntimeError
+            from switchagg_controller.p4rt import P4RuntimeError
 
             known += (P4RuntimeError,)
         except ImportError:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from switchagg import protocol
 from switchagg_controller import allocation
-from switchagg_controller.model import Job, SwitchState, Topology, WorkerAddr
+from switchagg_controller.model import HostPort, Job, SwitchState, Topology, WorkerAddr
 
 if TYPE_CHECKING:
     from switchagg.aggregator import SoftwareAggregator
@@ -46,6 +46,10 @@ class DataPlane(Protocol):
 
     @property
     def aggregator(self) -> tuple[str, int]: ...
+
+    def aggregator_of(self, job: Job) -> tuple[str, int]:
+        """Where the workers of ``job`` send their packets."""
+        ...
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr: ...
 
@@ -81,6 +85,9 @@ class SoftwareDataPlane:
     @property
     def aggregator(self) -> tuple[str, int]:
         return (self._ip, self.agg.address[1])
+
+    def aggregator_of(self, job: Job) -> tuple[str, int]:
+        return self.aggregator
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         return WorkerAddr(rank, ip, udp_port)
@@ -125,53 +132,102 @@ class SoftwareDataPlane:
 
 
 class P4DataPlane:
-    """Jobs on the P4 switch: every change pushes the whole desired state through the supervisor."""
+    """Jobs on the P4 switches: a job runs on the switch all its workers are cabled to, and every
+    change writes that switch's whole desired state through its supervisor; the other switches
+    are not touched."""
 
     name = allocation.P4
 
-    def __init__(self, topology: Topology, supervisor: SwitchSupervisor, default_slots: int = 64) -> None:
-        self.topology = topology
-        self.supervisor = supervisor
+    def __init__(self, topologies: list[Topology], default_slots: int = 64) -> None:
+        if not topologies:
+            raise ValueError("the P4 data plane needs at least one switch")
+        self.topologies = {t.name: t for t in topologies}
+        self.supervisors: dict[str, SwitchSupervisor] = {}
         self.k = protocol.P4_K
         self.default_slots = default_slots
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
 
+    def attach(self, supervisor: SwitchSupervisor) -> None:
+        self.supervisors[supervisor.name] = supervisor
+
+    def _host(self, ip: str) -> tuple[str, HostPort] | None:
+        for name, t in self.topologies.items():
+            host = t.host_by_ip(ip)
+            if host is not None:
+                return name, host
+        return None
+
+    def switch_of(self, job: Job) -> str:
+        """The switch every worker of ``job`` is cabled to."""
+        names = set()
+        for w in job.workers:
+            found = self._host(w.ip)
+            if found is None:
+                raise DataPlaneError(f"{w.ip} is not a host of any switch in the topology")
+            names.add(found[0])
+        if len(names) != 1:
+            raise DataPlaneError(
+                f"job {job.name!r} has workers on switches {', '.join(sorted(names))}; "
+                "a job runs on one switch (no aggregation across switches yet)"
+            )
+        return names.pop()
+
     @property
     def aggregator(self) -> tuple[str, int]:
-        return (self.topology.aggregator_ip, self.topology.udp_port)
+        t = next(iter(self.topologies.values()))
+        return (t.aggregator_ip, t.udp_port)
+
+    def aggregator_of(self, job: Job) -> tuple[str, int]:
+        t = self.topologies[self.switch_of(job)]
+        return (t.aggregator_ip, t.udp_port)
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
-        host = self.topology.host_by_ip(ip)
-        if host is None:
-            raise DataPlaneError(f"{ip} is not a host of the switch's topology")
+        found = self._host(ip)
+        if found is None:
+            raise DataPlaneError(f"{ip} is not a host of any switch in the topology")
+        host = found[1]
         return WorkerAddr(rank, ip, udp_port, host.mac, host.port)
 
-    def desired(self) -> SwitchState:
-        from switchagg_controller import p4_program
-
+    def jobs_on(self, switch: str) -> list[Job]:
         with self._lock:
             jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
-        return p4_program.desired_state(self.topology, jobs)
+        return [j for j in jobs if self.switch_of(j) == switch]
+
+    def desired(self, switch: str) -> SwitchState:
+        from switchagg_controller import p4_program
+
+        return p4_program.desired_state(self.topologies[switch], self.jobs_on(switch))
 
     def set_jobs(self, jobs: list[Job]) -> None:
-        """Replaces the known jobs without pushing (reload, or new generations after a restart)."""
+        """Replaces (or adds) known jobs without pushing (reload, or new generations after a restart)."""
         with self._lock:
-            self._jobs = {j.job_id: j for j in jobs}
+            self._jobs.update({j.job_id: j for j in jobs})
+
+    def _push(self, switch: str) -> None:
+        supervisor = self.supervisors.get(switch)
+        if supervisor is None:
+            from switchagg_controller.supervisor import SwitchUnavailable
+
+            raise SwitchUnavailable(f"switch {switch} has no supervisor")
+        supervisor.push()
 
     def restore(self, jobs: list[Job]) -> None:
-        self.set_jobs(jobs)  # the supervisor pushes the whole state once the switch is connected
-        try:
-            self.supervisor.push(self.desired())
-        except Exception:  # noqa: S110 - not connected yet; the supervisor applies it on connect
-            pass
+        with self._lock:
+            self._jobs = {j.job_id: j for j in jobs}
+        for switch in {self.switch_of(j) for j in jobs}:
+            try:
+                self._push(switch)
+            except Exception:  # noqa: S110 - not connected yet; the supervisor applies it on connect
+                pass
 
     def install(self, job: Job) -> None:
+        switch = self.switch_of(job)
         with self._lock:
             previous = self._jobs.get(job.job_id)
             self._jobs[job.job_id] = job
         try:
-            self.supervisor.push(self.desired())
+            self._push(switch)
         except Exception as e:
             with self._lock:  # not on the switch: forget it, so a later push does not install it
                 if previous is None:
@@ -180,33 +236,34 @@ class P4DataPlane:
                     self._jobs[job.job_id] = previous
             from switchagg_controller.supervisor import SwitchUnavailable
 
-            unavailable = isinstance(e, SwitchUnavailable)
+            unavailable = isinstance(e, SwitchUnavailable | TimeoutError)
             raise DataPlaneError(
-                f"installing job {job.job_id} on the P4 switch failed: {e}", unavailable
+                f"installing job {job.job_id} on P4 switch {switch} failed: {e}", unavailable
             ) from e
 
     def remove(self, job: Job) -> None:
         with self._lock:
             self._jobs.pop(job.job_id, None)
         try:
-            self.supervisor.push(self.desired())
+            self._push(self.switch_of(job))
         except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
             pass
 
     def counters(self) -> list[CounterValue]:
         from switchagg_controller import p4_program
 
-        conn = self.supervisor.connection()
-        drops = conn.read_counter(p4_program.DROP_COUNTER)
-        out = [
-            CounterValue(self.name, "drops", name, 0, drops.get(i, (0, 0))[1], drops.get(i, (0, 0))[0])
-            for i, name in enumerate(protocol.DROP_REASONS)
-        ]
-        with self._lock:
-            jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
-        for name, counter in p4_program.JOB_COUNTER_NAMES.items():
-            values = conn.read_counter(counter)
-            for job in jobs:
-                nbytes, packets = values.get(job.counter_index, (0, 0))
-                out.append(CounterValue(self.name, "job", name, job.job_id, packets, nbytes))
+        out = []
+        for switch, supervisor in self.supervisors.items():
+            plane = self.name if len(self.supervisors) == 1 else f"{self.name}:{switch}"
+            drops = supervisor.read_counter(p4_program.DROP_COUNTER)
+            out += [
+                CounterValue(plane, "drops", name, 0, drops.get(i, (0, 0))[1], drops.get(i, (0, 0))[0])
+                for i, name in enumerate(protocol.DROP_REASONS)
+            ]
+            jobs = self.jobs_on(switch)
+            for name, counter in p4_program.JOB_COUNTER_NAMES.items():
+                values = supervisor.read_counter(counter)
+                for job in jobs:
+                    nbytes, packets = values.get(job.counter_index, (0, 0))
+                    out.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
         return out

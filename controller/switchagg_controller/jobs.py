@@ -179,7 +179,7 @@ class JobManager:
             done = pending.job
             assert done is not None
             my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
-            agg_ip, agg_port = self.planes[pending.data_plane].aggregator
+            agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done)
             return Assignment(
                 pending.data_plane,
                 agg_ip,
@@ -388,12 +388,15 @@ class JobManager:
             return None
         return sum(c.packets for c in counters if c.scope == "job" and c.index == record.job.job_id)
 
-    def bump_generations(self, plane_name: str) -> list[Job]:
-        """New generations for every job on a data plane (it restarted: its slot state is gone)."""
+    def bump_generations(
+        self, plane_name: str, select: Callable[[Job], bool] = lambda job: True
+    ) -> list[Job]:
+        """New generations for the (selected) jobs on a data plane (it, or one of its switches,
+        restarted: their slot state is gone)."""
         with self._cond:
             jobs = []
             for active in self._active.values():
-                if active.record.data_plane == plane_name:
+                if active.record.data_plane == plane_name and select(active.record.job):
                     active.record.job = replace(active.record.job, generation=self.store.next_generation())
                     self.store.save(active.record)
                     jobs.append(active.record.job)

@@ -1,8 +1,7 @@
 """Plain data shared by the controller's parts: topology, jobs, and switch entries.
 
-The P4-specific mapping from these to table entries lives in p4_program.py; the P4Runtime
-client in p4runtime_client.py applies TableEntry and MulticastGroup objects without knowing
-what they mean.
+The P4-specific mapping from these to table entries lives in p4_program.py; p4rt.py applies
+TableEntry and MulticastGroup objects (through finsy) without knowing what they mean.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ class HostPort:
 
 @dataclass(frozen=True)
 class Topology:
-    """The declarative input of switchagg-ctl (see topology.py for the file format)."""
+    """One switch of the declarative input of switchagg-ctl, with the hosts cabled to it (see
+    topology.py for the file format: one switch, or a list of them)."""
 
     switch_address: str  # gRPC "host:port" of the P4Runtime server
     device_id: int
@@ -34,6 +34,7 @@ class Topology:
     udp_port: int = 48879
     cpu_port: int = 255
     election_id: tuple[int, int] = (0, 1)  # (high, low); must be non-zero
+    name: str = "s1"  # the switch's name in logs and in a topology of several switches
 
     def host_by_ip(self, ip: str) -> HostPort | None:
         return next((h for h in self.hosts if h.ip == ip), None)

@@ -1,129 +1,238 @@
-"""Keeps one switch programmed: connects, pushes the pipeline and all desired state, and does it
-again whenever the switch went away or came back without our pipeline (a restart).
+"""Keeps several switches programmed, each on its own: one finsy.Controller on one asyncio loop.
 
-After a restart the switch's registers are zero and its slot state is gone, so ``on_restart``
-runs before the state is pushed again: the job manager gives every job a new generation, so no
-slot mixes contributions from before and after. Workers then continue (their retransmissions
+finsy connects each switch, arbitrates mastership, pushes the pipeline when the switch's cookie
+is not ours (finsy's cookie of our P4Info and bmv2 JSON), and reconnects whenever the stream
+breaks. Once a switch is ready, ``SwitchSupervisor._on_ready`` makes it hold the desired state.
+A switch that went away and came back is handled alone; the other switches keep running.
+
+A switch found holding none of our table entries lost its state (it restarted, or its pipeline
+was pushed): its registers are zero and its slot state is gone, so ``on_restart`` runs before
+the state is written again: the job manager gives every job of the switch a new generation, so
+no slot mixes contributions from before and after. Workers then continue (their retransmissions
 refill the slots) or fail with their session timeout; never with a wrong sum.
+
+Readiness is only claimed for a connection that holds our state: ``wait_ready`` reads the switch
+back before answering, because a restarted switch answers on the same address (a unix socket
+path, or host:port) before finsy has seen the old stream break (see docs/CONTROLLER.md).
+
+The counters (``pushes``, ``reconnects``, ``write_errors``, ``programmed``) are plain attributes,
+read by tests, logs and metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from switchagg_controller.model import SwitchState
-from switchagg_controller.p4runtime_client import P4RuntimeError, SwitchConnection, pipeline_cookie
+import finsy as fy
+
+from switchagg_controller import p4rt
+from switchagg_controller.aioloop import LoopThread
+from switchagg_controller.model import SwitchState, Topology
+from switchagg_controller.p4rt import P4RuntimeError
 
 log = logging.getLogger("switchagg.supervisor")
 
 
 class SwitchUnavailable(P4RuntimeError):
-    """The switch is not connected right now; the supervisor keeps trying."""
+    """The switch is not connected (or not programmed) right now; the supervisor keeps trying."""
 
 
 class SwitchSupervisor:
     def __init__(
         self,
-        address: str,
-        device_id: int,
+        topology: Topology,
         bmv2_json: Path,
         p4info: Path,
         desired: Callable[[], SwitchState],
         on_restart: Callable[[], None] = lambda: None,
-        election_id: tuple[int, int] = (0, 1),
-        interval: float = 0.5,
-        timeout: float = 5.0,
+        timeout: float = 30.0,
     ) -> None:
-        self.address, self.device_id, self.election_id = address, device_id, election_id
-        self.bmv2_json, self.p4info = Path(bmv2_json), Path(p4info)
-        self.cookie = pipeline_cookie(self.bmv2_json.read_bytes(), self.p4info.read_bytes())
-        self.desired, self.on_restart = desired, on_restart
-        self.interval, self.timeout = interval, timeout
-        self.pushes = 0  # times the pipeline was (re)pushed; tests and logs read it
+        self.topology = topology
+        self.name, self.address = topology.name, topology.switch_address
+        self.desired, self.on_restart, self.timeout = desired, on_restart, timeout
+        options = fy.SwitchOptions(
+            p4info=Path(p4info),
+            p4blob=Path(bmv2_json),
+            device_id=topology.device_id,
+            initial_election_id=p4rt.election_id(topology.election_id),
+            ready_handler=self._on_ready,
+        )
+        self.switch = fy.Switch(self.name, self.address, options)
+        self.switch.ee.on(fy.SwitchEvent.CHANNEL_UP, self._on_up)
+        self.switch.ee.on(fy.SwitchEvent.CHANNEL_DOWN, self._on_down)
+        self.pushes = 0  # times the switch was found without our state and programmed afresh
+        self.reconnects = 0  # P4Runtime streams opened
+        self.write_errors = 0  # failed programming attempts (each one makes finsy reconnect)
+        self.programmed = 0  # times the whole desired state was written after a (re)connection
+        self.primary = False
+        self.ready = False
         self.last_error: BaseException | None = None
-        self._conn: SwitchConnection | None = None
-        self._lock = threading.RLock()  # one writer at a time: pushes from jobs vs. recovery
-        self._ready = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="switch-supervisor", daemon=True)
+        self.fleet: SwitchFleet | None = None
+        self._lock: asyncio.Lock | None = None  # made on the loop: one writer at a time
+        self._changed: asyncio.Condition | None = None
 
-    def start(self) -> SwitchSupervisor:
-        self._thread.start()
-        return self
+    # -- on the loop ----------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(self.timeout + 10.0)
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self._ready.clear()
+    def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
+        if self._lock is None or self._changed is None:
+            self._lock, self._changed = asyncio.Lock(), asyncio.Condition()
+        return self._lock, self._changed
+
+    async def _set_ready(self, ready: bool) -> None:
+        _, changed = self._sync()
+        async with changed:
+            self.ready = ready
+            changed.notify_all()
+
+    def _on_up(self, switch: fy.Switch) -> None:
+        self.reconnects += 1
+
+    def _on_down(self, switch: fy.Switch) -> None:
+        if self.ready:
+            log.warning("switch %s (%s) went away; reconnecting", self.name, self.address)
+        self.ready = False  # at once (a sync emitter callback); waiters are woken below
+        asyncio.get_running_loop().create_task(self._set_ready(False))
+
+    async def _on_ready(self, switch: fy.Switch) -> None:
+        """finsy's ready handler: the stream is up and the pipeline is ours (when primary)."""
+        await self._set_ready(False)
+        self.primary = switch.is_primary
+        if not switch.is_primary:
+            self.last_error = SwitchUnavailable(
+                f"{self.name} ({self.address}) device {switch.device_id}: not primary with election id "
+                f"{switch.election_id} (another controller holds {switch.primary_id})"
+            )
+            log.warning("%s", self.last_error)
+            return  # finsy calls us again if we become primary
+        lock, _ = self._sync()
+        try:
+            if not await p4rt.read_table_entries(switch):
+                self.pushes += 1
+                # Outside our lock: on_restart takes the job manager's lock, whose holder may be
+                # waiting for a push (lock order: job manager -> supervisor).
+                await asyncio.to_thread(self.on_restart)
+            async with lock:
+                changes = await p4rt.apply(switch, self.desired())
+        except Exception as e:
+            self.write_errors += 1
+            self.last_error = e
+            log.warning("programming switch %s failed (finsy reconnects): %s", self.name, e)
+            raise  # the switch's tasks end; finsy opens a new stream and calls us again
+        self.programmed += 1
+        self.last_error = None
+        await self._set_ready(True)
+        log.info("switch %s programmed (%d change(s); pushes: %d)", self.name, changes, self.pushes)
+
+    async def _push(self) -> int:
+        lock, _ = self._sync()
+        if not self.ready:
+            raise self._unavailable()
+        async with lock:
+            try:
+                return await p4rt.apply(self.switch, self.desired())
+            except Exception:
+                self.write_errors += 1
+                raise
+
+    async def _holds_state(self) -> bool:
+        try:
+            return bool(await p4rt.read_table_entries(self.switch))
+        except P4RuntimeError:
+            return False  # e.g. "no pipeline": a switch that restarted under us
+
+    async def _wait_ready(self, timeout: float) -> bool:
+        _, changed = self._sync()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with changed:
+            while True:
+                remaining = deadline - loop.time()
+                try:
+                    await asyncio.wait_for(changed.wait_for(lambda: self.ready), max(0.0, remaining))
+                except asyncio.TimeoutError:
+                    return False
+                if await self._holds_state():
+                    return True
+                # Ready in name only: the switch answering is not the one we programmed. Wait
+                # for finsy to see the stream break and for the next programming.
+                seen = self.programmed
+
+                def reprogrammed(seen: int = seen) -> bool:
+                    return self.programmed > seen
+
+                try:
+                    await asyncio.wait_for(changed.wait_for(reprogrammed), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    return False
+
+    async def _read_counter(self, name: str) -> dict[int, tuple[int, int]]:
+        if not self.ready:
+            raise self._unavailable()
+        return await p4rt.read_counter(self.switch, name)
+
+    def _unavailable(self) -> SwitchUnavailable:
+        return SwitchUnavailable(f"the switch {self.name} at {self.address} is not ready ({self.last_error})")
+
+    # -- from other threads ---------------------------------------------------------------------
+
+    def _loop(self) -> LoopThread:
+        if self.fleet is None:
+            raise RuntimeError(f"switch {self.name} is not part of a running fleet")
+        return self.fleet.loop
+
+    def push(self) -> int:
+        """Makes the switch hold the desired state now; SwitchUnavailable while it is away."""
+        if not self.ready:  # fail fast rather than wait for a reconnect
+            raise self._unavailable()
+        return self._loop().call(self._push(), self.timeout)
+
+    def read_counter(self, name: str) -> dict[int, tuple[int, int]]:
+        return self._loop().call(self._read_counter(name), self.timeout)
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the switch is connected and holds the desired state."""
-        return self._ready.wait(timeout)
+        """True once the switch is connected and verifiably holds the desired state."""
+        return self._loop().call(self._wait_ready(timeout), timeout + self.timeout)
 
-    def connection(self) -> SwitchConnection:
-        with self._lock:
-            if self._conn is None or not self._ready.is_set():
-                raise SwitchUnavailable(f"the switch at {self.address} is not connected ({self.last_error})")
-            return self._conn
 
-    def push(self, state: SwitchState) -> None:
-        """Applies ``state`` now; raises SwitchUnavailable while the switch is away."""
-        if not self._ready.is_set():  # fail fast rather than wait for a reconnect attempt
-            raise SwitchUnavailable(f"the switch at {self.address} is not connected ({self.last_error})")
-        with self._lock:
-            self.connection().apply(state)
+class SwitchFleet:
+    """The supervisors of all switches on one finsy.Controller, in one asyncio loop thread."""
 
-    # Lock order: the job manager's lock -> this lock -> the P4 data plane's lock. So on_restart
-    # (which takes the job manager's lock) runs without this lock held, and so does everything
-    # slow that does not change the switch (connecting, health checks).
+    def __init__(self, supervisors: list[SwitchSupervisor]) -> None:
+        self.supervisors = supervisors
+        self.loop = LoopThread()
+        for s in supervisors:
+            s.fleet = self
+        self._controller = fy.Controller([s.switch for s in supervisors])
+        self._task: asyncio.Future[None] | None = None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = self._conn
-                if conn is None:
-                    self._connect()
-                elif not self._healthy(conn):
-                    log.warning("switch %s went away; reconnecting", self.address)
-                    self._drop()
-                    continue
-            except Exception as e:  # keep supervising whatever failed; report it once per change
-                if repr(e) != repr(self.last_error):
-                    log.warning("switch %s: %s", self.address, e)
-                self.last_error = e
-                self._drop()
-            self._stop.wait(self.interval)
+    def start(self) -> SwitchFleet:
+        async def _start() -> None:
+            self._task = asyncio.ensure_future(self._controller.run())
 
-    def _healthy(self, conn: SwitchConnection) -> bool:
-        return conn.is_alive() and conn.get_pipeline_cookie() == self.cookie
+        self.loop.call(_start(), 10.0)
+        return self
 
-    def _drop(self) -> None:
-        with self._lock:
-            self._ready.clear()
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+    def wait_ready(self, timeout: float) -> bool:
+        """All switches ready (each waited for in parallel, within ``timeout``)."""
 
-    def _connect(self) -> None:
-        conn = SwitchConnection(self.address, self.device_id, self.election_id, self.timeout).connect()
+        async def _all() -> bool:
+            return all(await asyncio.gather(*(s._wait_ready(timeout) for s in self.supervisors)))
+
+        return self.loop.call(_all(), timeout + 30.0)
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            self._controller.stop()
+            if self._task is not None:
+                await asyncio.gather(self._task, return_exceptions=True)
+
         try:
-            # Our pipeline still there means the controller restarted, not the switch.
-            if conn.ensure_pipeline(self.bmv2_json, self.p4info):
-                self.pushes += 1
-                self.on_restart()
-            with self._lock:
-                conn.apply(self.desired())
-                self._conn = conn
-                self._ready.set()
-        except Exception:
-            conn.close()
-            raise
-        self.last_error = None
-        log.info("switch %s programmed (pipeline pushes: %d)", self.address, self.pushes)
+            self.loop.call(_stop(), 15.0)
+        except asyncio.TimeoutError:
+            log.warning("the switches did not stop within 15 s")
+        for s in self.supervisors:
+            s.ready = False
+        self.loop.close()

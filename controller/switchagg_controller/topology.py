@@ -11,6 +11,21 @@ aggregator:
 cpu_port: 255                 # optional
 hosts:
   - {name: h1, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
+
+Several switches, each reconciled on its own (host IPs are unique across them: a worker is
+placed on the switch its address is cabled to):
+
+switches:
+  - name: s1
+    address: unix:/run/s1/p4runtime.sock
+    device_id: 0
+    election_id: [0, 1]       # optional
+    aggregator: {ip: 10.0.0.254, mac: "02:00:00:00:00:fe"}
+    cpu_port: 255             # optional
+    hosts:
+      - {name: h1, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
+  - name: s2
+    ...
 """
 
 from __future__ import annotations
@@ -105,7 +120,67 @@ def _switch_address(node: _Node) -> str:
     return value
 
 
-def parse_topology(text: str, source: str = "<topology>") -> Topology:
+def _election(node: _Node) -> tuple[int, int]:
+    parts = node.sequence()
+    if len(parts) != 2:
+        raise node.fail("expected [high, low]")
+    election = (parts[0].integer(0, 2**64 - 1), parts[1].integer(0, 2**64 - 1))
+    if election == (0, 0):
+        raise node.fail("the election id must be non-zero")
+    return election
+
+
+def _hosts(node: _Node, ips: dict[str, str]) -> tuple[HostPort, ...]:
+    """The hosts of one switch: names, ports and MACs unique on it, IPs across every switch
+    (``ips``: those of the switches so far), since a worker is placed by its address."""
+    hosts = []
+    seen: dict[tuple[str, Any], str] = {}
+    for host_node in node.sequence():
+        fields = host_node.mapping(("name", "port", "mac", "ip"))
+        host = HostPort(
+            name=fields["name"].text(),
+            port=fields["port"].integer(0, 510),
+            mac=fields["mac"].mac(),
+            ip=fields["ip"].ipv4(),
+        )
+        for attr in ("name", "port", "mac"):
+            key = (attr, getattr(host, attr))
+            if key in seen:
+                raise fields[attr].fail(f"{getattr(host, attr)!r} is already used by host {seen[key]!r}")
+            seen[key] = host.name
+        if host.ip in ips:
+            raise fields["ip"].fail(f"{host.ip!r} is already used by host {ips[host.ip]!r}")
+        ips[host.ip] = host.name
+        hosts.append(host)
+    if not hosts:
+        raise node.fail("at least one host is needed")
+    return tuple(hosts)
+
+
+def _topology(
+    name: str,
+    switch: dict[str, _Node],
+    agg_node: _Node,
+    hosts_node: _Node,
+    cpu_node: _Node | None,
+    ips: dict[str, str],
+) -> Topology:
+    agg = agg_node.mapping(("ip", "mac"), ("udp_port",))
+    return Topology(
+        switch_address=_switch_address(switch["address"]),
+        device_id=switch["device_id"].integer(0, 2**64 - 1),
+        hosts=_hosts(hosts_node, ips),
+        aggregator_ip=agg["ip"].ipv4(),
+        aggregator_mac=agg["mac"].mac(),
+        udp_port=agg["udp_port"].integer(1, 65535) if "udp_port" in agg else 48879,
+        cpu_port=cpu_node.integer(0, 511) if cpu_node is not None else 255,
+        election_id=_election(switch["election_id"]) if "election_id" in switch else (0, 1),
+        name=name,
+    )
+
+
+def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
+    """Every switch of a topology file: the one-switch form, or ``switches:`` (a list)."""
     try:
         root_node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -114,45 +189,55 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise TopologyError(f"{source}:{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
     if root_node is None:
         raise TopologyError(f"{source}:1: the file is empty")
-    root = _Node(source, root_node, "").mapping(("switch", "aggregator", "hosts"), ("cpu_port",))
-    switch = root["switch"].mapping(("address", "device_id"), ("election_id",))
-    election = (0, 1)
-    if "election_id" in switch:
-        parts = switch["election_id"].sequence()
-        if len(parts) != 2:
-            raise switch["election_id"].fail("expected [high, low]")
-        election = (parts[0].integer(0, 2**64 - 1), parts[1].integer(0, 2**64 - 1))
-        if election == (0, 0):
-            raise switch["election_id"].fail("the election id must be non-zero")
-    agg = root["aggregator"].mapping(("ip", "mac"), ("udp_port",))
-    hosts = []
-    seen: dict[tuple[str, Any], str] = {}
-    for node in root["hosts"].sequence():
-        fields = node.mapping(("name", "port", "mac", "ip"))
-        host = HostPort(
-            name=fields["name"].text(),
-            port=fields["port"].integer(0, 510),
-            mac=fields["mac"].mac(),
-            ip=fields["ip"].ipv4(),
-        )
-        for attr in ("name", "port", "mac", "ip"):
-            key = (attr, getattr(host, attr))
-            if key in seen:
-                raise fields[attr].fail(f"{getattr(host, attr)!r} is already used by host {seen[key]!r}")
-            seen[key] = host.name
-        hosts.append(host)
-    if not hosts:
-        raise root["hosts"].fail("at least one host is needed")
-    return Topology(
-        switch_address=_switch_address(switch["address"]),
-        device_id=switch["device_id"].integer(0, 2**64 - 1),
-        hosts=tuple(hosts),
-        aggregator_ip=agg["ip"].ipv4(),
-        aggregator_mac=agg["mac"].mac(),
-        udp_port=agg["udp_port"].integer(1, 65535) if "udp_port" in agg else 48879,
-        cpu_port=root["cpu_port"].integer(0, 511) if "cpu_port" in root else 255,
-        election_id=election,
+    root = _Node(source, root_node, "")
+    ips: dict[str, str] = {}
+    is_list = isinstance(root_node, yaml.MappingNode) and any(
+        isinstance(k, yaml.ScalarNode) and k.value == "switches" for k, _ in root_node.value
     )
+    if not is_list:
+        top = root.mapping(("switch", "aggregator", "hosts"), ("cpu_port",))
+        switch = top["switch"].mapping(("address", "device_id"), ("election_id",))
+        return [_topology("s1", switch, top["aggregator"], top["hosts"], top.get("cpu_port"), ips)]
+    switches_node = root.mapping(("switches",))["switches"]
+    out: list[Topology] = []
+    names: dict[str, int] = {}
+    endpoints: dict[tuple[str, int], str] = {}
+    for node in switches_node.sequence():
+        fields = node.mapping(
+            ("name", "address", "device_id", "aggregator", "hosts"), ("election_id", "cpu_port")
+        )
+        name = fields["name"].text()
+        if not name or name in names:
+            raise fields["name"].fail(f"{name!r} is empty or names another switch too")
+        names[name] = len(out)
+        t = _topology(name, fields, fields["aggregator"], fields["hosts"], fields.get("cpu_port"), ips)
+        endpoint = (t.switch_address, t.device_id)
+        if endpoint in endpoints:
+            raise fields["address"].fail(
+                f"{t.switch_address} device {t.device_id} is switch {endpoints[endpoint]!r} too"
+            )
+        endpoints[endpoint] = name
+        out.append(t)
+    if not out:
+        raise switches_node.fail("at least one switch is needed")
+    return out
+
+
+def parse_topology(text: str, source: str = "<topology>") -> Topology:
+    """The switch of a one-switch topology file (a file with several switches is refused)."""
+    switches = parse_topologies(text, source)
+    if len(switches) != 1:
+        raise TopologyError(f"{source}:1: {len(switches)} switches where one is expected")
+    return switches[0]
+
+
+def load_topologies(path: str | Path) -> list[Topology]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TopologyError(f"{p}: cannot read the topology file: {e.strerror}") from None
+    return parse_topologies(text, p.name)
 
 
 def load_topology(path: str | Path) -> Topology:
@@ -164,13 +249,37 @@ def load_topology(path: str | Path) -> Topology:
     return parse_topology(text, p.name)
 
 
+def _hosts_doc(t: Topology) -> list[dict[str, Any]]:
+    return [{"name": h.name, "port": h.port, "mac": h.mac, "ip": h.ip} for h in t.hosts]
+
+
+def dump_topologies(switches: list[Topology]) -> str:
+    """The YAML text of several switches; ``parse_topologies(dump_topologies(ts)) == ts``."""
+    doc = {
+        "switches": [
+            {
+                "name": t.name,
+                "address": t.switch_address,
+                "device_id": t.device_id,
+                "election_id": list(t.election_id),
+                "aggregator": {"ip": t.aggregator_ip, "mac": t.aggregator_mac, "udp_port": t.udp_port},
+                "cpu_port": t.cpu_port,
+                "hosts": _hosts_doc(t),
+            }
+            for t in switches
+        ]
+    }
+    text: str = yaml.safe_dump(doc, sort_keys=False)
+    return text
+
+
 def dump_topology(t: Topology) -> str:
-    """The YAML text of ``t``; ``parse_topology(dump_topology(t)) == t``."""
+    """The YAML text of ``t`` (one-switch form); ``parse_topology(dump_topology(t)) == t``."""
     doc = {
         "switch": {"address": t.switch_address, "device_id": t.device_id, "election_id": list(t.election_id)},
         "aggregator": {"ip": t.aggregator_ip, "mac": t.aggregator_mac, "udp_port": t.udp_port},
         "cpu_port": t.cpu_port,
-        "hosts": [{"name": h.name, "port": h.port, "mac": h.mac, "ip": h.ip} for h in t.hosts],
+        "hosts": _hosts_doc(t),
     }
     text: str = yaml.safe_dump(doc, sort_keys=False)
     return text

@@ -53,13 +53,21 @@ def _topology_file(own_bed: Any, path: Path) -> Path:
     return path
 
 
-def _start(own_bed: Any, service: str, tmp: Path, name: str, iterations: int, timeout: float) -> list[Any]:
+def _start(
+    own_bed: Any,
+    service: str,
+    tmp: Path,
+    name: str,
+    iterations: int,
+    timeout: float,
+    stop: Path | None = None,
+) -> list[Any]:
     procs = []
     for e in own_bed.endpoints:
         cfg = {
             "service": service, "secret": SECRET, "name": name, "n": len(own_bed.endpoints), "ip": e.ip,
             "length": 1000, "iterations": iterations, "timeout": timeout,
-            "progress": str(tmp / f"{name}-{e.index}"),
+            "progress": str(tmp / f"{name}-{e.index}"), "stop": str(stop) if stop else None,
         }  # fmt: skip
         procs.append(
             e.popen([sys.executable, WORKER, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -137,3 +137,65 @@ def test_a_dumped_topology_parses_back_to_itself() -> None:
         election_id=(1, 7),
     )
     assert parse_topology(dump_topology(t)) == t
+
+
+SEVERAL = """\
+switches:
+  - name: s1
+    address: unix:/run/s1.sock
+    device_id: 0
+    aggregator: {ip: 10.0.0.254, mac: "02:00:00:00:00:fe"}
+    hosts:
+      - {name: h1, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
+  - name: s2
+    address: unix:/run/s2.sock
+    device_id: 0
+    election_id: [0, 3]
+    aggregator: {ip: 10.0.1.254, mac: "02:00:00:00:00:fe", udp_port: 48000}
+    cpu_port: 192
+    hosts:
+      - {name: h1, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.1.1}
+"""
+
+
+def test_several_switches() -> None:
+    from switchagg_controller.topology import dump_topologies, parse_topologies
+
+    s1, s2 = parse_topologies(SEVERAL, "net.yaml")
+    assert (s1.name, s1.switch_address, s1.election_id, s1.udp_port) == (
+        "s1",
+        "unix:/run/s1.sock",
+        (0, 1),
+        48879,
+    )
+    assert (s2.name, s2.election_id, s2.udp_port, s2.cpu_port) == ("s2", (0, 3), 48000, 192)
+    assert s2.host_by_ip("10.0.1.1") is s2.hosts[0] and s1.host_by_ip("10.0.1.1") is None
+    assert parse_topologies(dump_topologies([s1, s2])) == [s1, s2]
+    assert parse_topologies(GOOD) == [parse_topology(GOOD)]  # the one-switch form still reads
+    with pytest.raises(TopologyError, match="net.yaml:1: 2 switches where one is expected"):
+        parse_topology(SEVERAL, "net.yaml")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("ip: 10.0.1.1}", "ip: 10.0.0.1}",
+         "net.yaml:15: switches[1].hosts[0].ip: '10.0.0.1' is already used by host 'h1'"),
+        ("  - name: s2", "  - name: s1",
+         "net.yaml:8: switches[1].name: 's1' is empty or names another switch too"),
+        ("unix:/run/s2.sock", "unix:/run/s1.sock",
+         "net.yaml:9: switches[1].address: unix:/run/s1.sock device 0 is switch 's1' too"),
+        ("    cpu_port: 192\n", "    cpu_port: 192\n    colour: red\n",
+         "net.yaml:14: switches[1].colour: unknown field "
+         "(known: name, address, device_id, aggregator, hosts, election_id, cpu_port)"),
+        ("    device_id: 0\n    election_id", "    election_id",
+         "net.yaml:8: switches[1]: missing field 'device_id'"),
+    ],
+)  # fmt: skip
+def test_bad_lists_of_switches(old: str, new: str, message: str) -> None:
+    from switchagg_controller.topology import parse_topologies
+
+    assert old in SEVERAL
+    with pytest.raises(TopologyError) as e:
+        parse_topologies(SEVERAL.replace(old, new, 1), "net.yaml")
+    assert str(e.value) == message

@@ -56,7 +56,10 @@ class Testbed:
         prefix: str | None = None,
         device_id: int = 0,
         static_arp: bool = False,
+        subnet: str = SUBNET,
     ) -> None:
+        """``subnet`` ("10.201.0."): the endpoints' /24 and the aggregator's address in it (.254);
+        testbeds of one controller (several switches) need subnets of their own."""
         if not 1 <= n <= MAX_ENDPOINTS:
             raise ValueError(f"a testbed has 1..{MAX_ENDPOINTS} endpoints, not {n}")
         if data_plane not in DATA_PLANES:
@@ -74,8 +77,11 @@ class Testbed:
         self.workdir = workdir
         self.device_id = device_id
         self.static_arp = static_arp
+        if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}\.", subnet):
+            raise ValueError(f"a testbed subnet looks like '10.201.0.', not {subnet!r}")
+        self.subnet, self.agg_ip = subnet, f"{subnet}254"
         self.endpoints = [
-            Endpoint(i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{SUBNET}{i + 1}", i + 1)
+            Endpoint(i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{subnet}{i + 1}", i + 1)
             for i in range(n)
         ]
         self.switch: Bmv2Switch | None = None
@@ -114,7 +120,7 @@ class Testbed:
             switch_address=self.grpc_address,
             device_id=self.device_id,
             hosts=tuple(e.host() for e in self.endpoints),
-            aggregator_ip=AGG_IP,
+            aggregator_ip=self.agg_ip,
             aggregator_mac=AGG_MAC,
         )
 
@@ -140,7 +146,7 @@ class Testbed:
 
     def _hosts(self) -> str:
         """/etc/hosts inside the namespaces: names for every address (torch looks its peers up)."""
-        lines = ["127.0.0.1 localhost", f"{AGG_IP} switch"]
+        lines = ["127.0.0.1 localhost", f"{self.agg_ip} switch"]
         lines += [f"{e.ip} h{e.index}" for e in self.endpoints]
         return "\n".join(lines) + "\n"
 
@@ -155,7 +161,7 @@ class Testbed:
         if self.data_plane == "soft":
             sh("ip", "link", "add", "br0", "type", "bridge", ns=self.switch_ns)
             sh("ip", "link", "set", "br0", "address", AGG_MAC, "mtu", str(self.mtu), "up", ns=self.switch_ns)
-            sh("ip", "addr", "add", f"{AGG_IP}/24", "dev", "br0", ns=self.switch_ns)
+            sh("ip", "addr", "add", f"{self.agg_ip}/24", "dev", "br0", ns=self.switch_ns)
         for e in self.endpoints:
             self._add_ns(e.ns)
             sw_if = self.switch_port(e)
@@ -172,7 +178,7 @@ class Testbed:
                 netns.cap_rate(e.ns, e.ifname, self.rate_mbit)
                 netns.cap_rate(self.switch_ns, sw_if, self.rate_mbit)
             if self.static_arp:  # otherwise the switch itself answers ARP for the aggregator
-                neigh = ["ip", "neigh", "replace", AGG_IP, "lladdr", AGG_MAC, "nud", "permanent"]
+                neigh = ["ip", "neigh", "replace", self.agg_ip, "lladdr", AGG_MAC, "nud", "permanent"]
                 sh(*neigh, "dev", e.ifname, ns=e.ns)
         if self.switch is not None:
             self.switch.start()

@@ -133,15 +133,17 @@ class SwitchSupervisor:
         async with lock:
             try:
                 return await p4rt.apply(self.switch, self.desired())
-            except Exception:
+            except Exception as e:
                 self.write_errors += 1
+                if not await self._holds_state():  # it restarted under us: away, not refusing
+                    raise self._unavailable() from e
                 raise
 
     async def _holds_state(self) -> bool:
         try:
             return bool(await p4rt.read_table_entries(self.switch))
-        except P4RuntimeError:
-            return False  # e.g. "no pipeline": a switch that restarted under us
+        except Exception:  # e.g. "no pipeline": a switch that restarted under us
+            return False
 
     async def _wait_ready(self, timeout: float) -> bool:
         _, changed = self._sync()

@@ -1,0 +1,80 @@
+"""The supervisor against a real bmv2, in this process: a restart is never reported as ready
+before the restarted switch holds the whole desired state again.
+
+The bug this covers: a measuring run (16 jobs of 8 workers, 282 entries) saw ``wait_ready()``
+return True after a bmv2 restart with the push counter still at 1. The old supervisor polled the
+switch every 0.5 s, and its readiness flag stayed set from the switch's death until the next
+poll; a restart shorter than that (bmv2 --no-p4 is back within a few hundred milliseconds) was
+reported ready at once. Here the stale window is made certain, not left to timing: the event
+loop is kept busy (as by a long apply) from before the kill until after the new switch answers,
+so nothing can have noticed the restart when ``wait_ready`` is asked.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from bmv2_controller_switch import bmv2, topology_yaml  # noqa: F401 - bmv2 is a fixture
+
+from switchagg import protocol
+from switchagg.testbed.bmv2 import Bmv2Switch
+from switchagg_controller import p4_program
+from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
+from switchagg_controller.switch_session import SwitchSession
+from switchagg_controller.topology import parse_topology
+
+HOSTS, JOBS = 8, 16
+
+
+def _jobs() -> list[Job]:
+    workers = tuple(WorkerAddr(r, f"10.0.0.{r + 1}", 40000 + r) for r in range(HOSTS))
+    return [Job(j + 1, f"j{j}", HOSTS, 64 * j, 64, protocol.P4_K, j + 1, workers, j) for j in range(JOBS)]
+
+
+def _entries(address: str) -> int:
+    with SwitchSession(address, 0, p4_program.P4INFO, primary=False) as s:
+        return len([e for e in s.read_table_entries() if not e.is_default_action])
+
+
+def test_ready_after_a_restart_means_reprogrammed(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
+    jobs = _jobs()
+    state = p4_program.desired_state(topo, jobs)
+    assert len(state.entries) == 282  # the measuring run's size
+    restarts: list[int] = []
+    sup = SwitchSupervisor(
+        topo,
+        p4_program.BMV2_JSON,
+        p4_program.P4INFO,
+        desired=lambda: p4_program.desired_state(topo, jobs),
+        on_restart=lambda: restarts.append(sup.pushes),
+    )
+    fleet = SwitchFleet([sup]).start()
+    try:
+        assert sup.wait_ready(60) and sup.pushes == 1 and sup.programmed == 1
+        assert _entries(bmv2.grpc_address) == 282
+
+        release = threading.Event()
+        busy = threading.Event()
+
+        def hold_the_loop() -> None:  # runs on the event loop: nothing else runs meanwhile
+            busy.set()
+            release.wait(60)
+
+        fleet.loop.loop.call_soon_threadsafe(hold_the_loop)
+        assert busy.wait(30)
+        bmv2.kill()
+        bmv2.start()  # back, empty, and answering on the same unix socket path
+        assert sup.ready  # stale, and nothing could have seen the restart yet
+        answer: list[bool] = []
+        asking = threading.Thread(target=lambda: answer.append(sup.wait_ready(120)))
+        asking.start()  # queued on the loop behind hold_the_loop
+        release.set()
+        asking.join(180)
+        assert answer == [True]
+        assert sup.pushes == 2 and sup.programmed == 2 and restarts == [1, 2]
+        assert _entries(bmv2.grpc_address) == 282
+        assert sup.push() == 0  # the state is all there: a push changes nothing
+    finally:
+        fleet.stop()

@@ -1,6 +1,6 @@
 """The mapping from topology and jobs to p4/switchagg.p4's tables: the only module that knows P4 names.
 
-Everything returned here is plain model data; p4runtime_client.py writes it to the switch.
+Everything returned here is plain model data; p4rt.py writes it to the switch (through finsy).
 Matches and parameters are ints (MACs and IPv4 addresses as their integer value); the client
 encodes them to the bit widths in the P4Info.
 """

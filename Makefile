@@ -19,7 +19,7 @@ test: install-dev
 	$(PY) -m pytest
 
 lint:
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests tools
 
 bench: install-dev
 	$(PY) bench/bench_allreduce.py

@@ -10,7 +10,7 @@ install:
 # torch first, pinned: the CPU wheel; a bare requirement would pull a CUDA build of several GB.
 install-dev:
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,controller,torch]"
+	$(PIP) -e ".[test,controller,torch,metrics]"
 
 demo: install
 	$(PY) -m switchagg.demo --workers 4 --size 4000000

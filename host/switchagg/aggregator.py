@@ -134,7 +134,10 @@ class SoftwareAggregator:
     def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> tuple[str, int]:
         """Serves this aggregator's metrics (and its process's) on http://host:port/metrics from a
         daemon thread (0: a free port); returns the bound address."""
-        from prometheus_client import CollectorRegistry, ProcessCollector
+        try:
+            from prometheus_client import CollectorRegistry, ProcessCollector
+        except ImportError as e:
+            raise ImportError(f"{e}: metrics need pip install 'switchagg[metrics]'") from e
 
         from switchagg import metrics
 

@@ -10,7 +10,7 @@ install:
 # torch first, pinned: the CPU wheel; a bare requirement would pull a CUDA build of several GB.
 install-dev:
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,controller,torch]"
+	$(PIP) -e ".[test,controller,torch,metrics]"
 
 demo: install
 	$(PY) -m switchagg.demo --workers 4 --size 4000000
@@ -19,7 +19,7 @@ test: install-dev
 	$(PY) -m pytest
 
 lint:
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests tools
 
 bench: install-dev
 	$(PY) bench/bench_allreduce.py

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from switchagg import _core, protocol
+from switchagg.testing.progress import Steps
 
 
 def best_of(fn: Any, reps: int) -> float:
@@ -191,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'payload Gbit/s':>15}"
     )
     rows = []
+    progress = Steps(len(workers) * len(sizes), len(workers) * sum(sizes))
     for n in workers:
         for mb in sizes:
+            progress.step(f"n={n}, {mb} MB", mb)
             r = bench_allreduce(n, mb, args.reps, args.k, args.slots, not args.no_gloo)
             rows.append(r)
             g = (
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"quantize": quant, "allreduce": rows, "cores": os.cpu_count()}, indent=2))
-    print(f"\nwrote {out}")
+    progress.finish(f"wrote {out}")
     return 0
 
 

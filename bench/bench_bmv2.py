@@ -38,6 +38,7 @@ from scapy.packet import Raw  # noqa: E402
 from switchagg import protocol  # noqa: E402
 from switchagg.testbed import Endpoint, Testbed  # noqa: E402
 from switchagg.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
+from switchagg.testing.progress import Steps  # noqa: E402
 from switchagg_controller import p4_program  # noqa: E402
 from switchagg_controller.switch_session import SwitchSession  # noqa: E402
 
@@ -175,8 +176,11 @@ def main() -> int:
         try:
             switch.apply(p4_program.desired_state(bed.topology(), []))
             l2, agg = [], []
-            for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
+            progress = Steps(2 * args.repeat)
+            for i in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
+                progress.step(f"L2 forwarding, run {i + 1} of {args.repeat}")
                 l2.append(measure_l2(bed.endpoints[0], bed.endpoints[1], args.frames, args.timeout))
+                progress.step(f"aggregation, run {i + 1} of {args.repeat}")
                 agg.append(measure_agg(bed, switch, args.frames, args.timeout))
         finally:
             switch.close()

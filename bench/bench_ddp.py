@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from switchagg.testing.progress import Steps
+
 WIDTH = 1024
 BATCH = 16
 
@@ -100,12 +102,15 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
+    progress = Steps(len(args.sizes), sum(args.sizes)) if rank == 0 else None
     for millions in args.sizes:
         over = torch.tensor([1 if time.monotonic() - started > args.budget else 0])
         dist.broadcast(over, 0, group=gloo)  # rank 0's clock decides, so all ranks skip together
         if over.item():
             rows.append({"millions": millions, "skipped": True})
             continue
+        if progress is not None:
+            progress.step(f"{millions:g}M parameters: allreduce and DDP steps, gloo and switchagg", millions)
         model = _model(millions)
         params = sum(p.numel() for p in model.parameters())
         row: dict[str, Any] = {"millions": millions, "params": params, "skipped": False}
@@ -123,9 +128,8 @@ def worker(args: argparse.Namespace) -> None:
         row["compute"] = _timed(_ddp_step(model, x), args.iters, gloo)
         rows.append(row)
         del model, buf
-        if rank == 0:
-            print(f"  {millions:g}M parameters done after {time.monotonic() - started:.0f} s", flush=True)
-    if rank == 0:
+    if progress is not None:
+        progress.finish()
         Path(args.result).write_text(json.dumps({"workers": dist.get_world_size(), "rows": rows}))
     dist.barrier(group=gloo)
 

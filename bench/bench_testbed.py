@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from switchagg.testing.progress import Steps
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MB = 1 << 20
@@ -172,12 +174,22 @@ HEADER = (
 )
 
 
-def point(bed: Any, workdir: Path, rate: float, size: int, reps: int) -> dict[str, Any]:
+def step_weight(rate: float, size: int, reps: int) -> float:
+    """A measurement's expected seconds: the in-network bound per allreduce, plus starting the ranks."""
+    return reps * size * MB * 8 / (rate * 1e6) + 5
+
+
+TRAIN_WEIGHT = 60.0  # one epoch of train_digits.py, roughly, on a capped testbed
+
+
+def point(bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: Steps) -> dict[str, Any]:
     """Both systems on one testbed, one size: gloo first, then switchagg."""
     n = bed.n
     bound = size * MB * 8 / (rate * 1e6)
     timeout = 120 + 20 * bound * reps
+    progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: gloo", step_weight(rate, size, reps))
     g = measure(bed, workdir, "gloo", size, reps, timeout)
+    progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: switchagg", step_weight(rate, size, reps))
     s = measure(bed, workdir, "switchagg", size, reps, timeout)
     p = {
         "rate_mbit": rate, "n": n, "size_mb": size,
@@ -199,9 +211,10 @@ def point(bed: Any, workdir: Path, rate: float, size: int, reps: int) -> dict[st
     return p
 
 
-def train_both(bed: Any, workdir: Path, rate: float, hidden: int) -> list[dict[str, Any]]:
+def train_both(bed: Any, workdir: Path, rate: float, hidden: int, progress: Steps) -> list[dict[str, Any]]:
     records = []
     for backend in ("gloo", "switchagg"):
+        progress.step(f"{rate:g} Mbit/s, n={bed.n}: DDP training on {backend}", TRAIN_WEIGHT)
         rec = {
             "rate_mbit": rate,
             "n": bed.n,
@@ -229,6 +242,11 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     points: list[dict[str, Any]] = []
     training: list[dict[str, Any]] = []
+    weights = [
+        step_weight(r, size, args.reps) for r in args.rates for _ in args.workers for size in args.sizes
+    ]
+    trains = 2 if args.train else 0
+    progress = Steps(2 * len(weights) + trains, 2 * sum(weights) + trains * TRAIN_WEIGHT)
     print(HEADER)
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
@@ -237,9 +255,11 @@ def bench(args: argparse.Namespace) -> int:
                 with Testbed(n, workdir, data_plane="soft", rate_mbit=rate) as bed:
                     service = start_job_service(bed, workdir, sw_k=args.k, sw_slots=args.slots)
                     try:
-                        points += [point(bed, workdir, rate, size, args.reps) for size in args.sizes]
+                        points += [
+                            point(bed, workdir, rate, size, args.reps, progress) for size in args.sizes
+                        ]
                         if args.train and rate == args.rates[-1] and n == args.workers[-1]:
-                            training = train_both(bed, workdir, rate, args.hidden)
+                            training = train_both(bed, workdir, rate, args.hidden, progress)
                     finally:
                         service.kill()
                         service.wait(timeout=30)
@@ -253,7 +273,7 @@ def bench(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=1))
     if points:
         plot(points, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    progress.finish(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 

@@ -75,3 +75,9 @@ def test_truncated_payload_keeps_whole_words_and_pads_the_rest() -> None:
 def test_explicit_elems_is_kept_for_malformed_packets() -> None:
     raw = bytes(Agg(elems=63, values=[1] * 64))
     assert protocol.Header.unpack(raw).elems == 63
+
+
+def test_a_full_software_datagram_dissects() -> None:
+    values = list(range(-5, protocol.MAX_K - 5))
+    back = Agg(protocol.Header(job=1, rank=0, slot=0, values=values).pack())
+    assert back.values == values and back.elems == protocol.MAX_K

@@ -13,13 +13,35 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from switchagg import _core
-from switchagg.protocol import DEFAULT_SW_K, DEFAULT_SW_SLOTS, DROP_REASONS, JOB_COUNTERS, UDP_PORT
+from switchagg.protocol import (
+    DEFAULT_SW_K,
+    DEFAULT_SW_SLOTS,
+    DROP_REASONS,
+    JOB_COUNTERS,
+    POOL_SLOT_MASK,
+    UDP_PORT,
+)
+
+if TYPE_CHECKING:
+    from switchagg.metrics import DataPlaneSample
 
 Counters = dict[str, Any]
+POOL_SLOTS = POOL_SLOT_MASK + 1  # the software aggregator's pool: every index the header can name
+
+
+@dataclass(frozen=True)
+class InstalledJob:
+    n: int
+    slot_base: int
+    slot_count: int
+    k: int
+    name: str
+
 
 _JOIN_TIMEOUT_S = 10.0  # run() notices stop() within ~50 ms; this only guards against a hang
 
@@ -49,6 +71,7 @@ class SoftwareAggregator:
         )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._jobs: dict[int, InstalledJob] = {}  # what add_job installed, for the metrics' labels
 
     @property
     def address(self) -> tuple[str, int]:
@@ -67,16 +90,63 @@ class SoftwareAggregator:
         k: int,
         generation: int,
         addrs: Sequence[tuple[str, int]],
+        *,
+        name: str = "",
     ) -> None:
-        """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there."""
+        """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there.
+        ``name`` only labels the job's metrics."""
         self._agg.add_job(job_id, n, slot_base, slot_count, k, generation, list(addrs))
+        self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name)}
 
     def remove_job(self, job_id: int) -> None:
         self._agg.remove_job(job_id)
+        self._jobs = {j: info for j, info in self._jobs.items() if j != job_id}
+
+    def jobs(self) -> dict[int, InstalledJob]:
+        """The installed jobs by id."""
+        return dict(self._jobs)
 
     def counters(self) -> Counters:
         result: Counters = self._agg.counters()
         return result
+
+    def metrics_sample(self) -> DataPlaneSample:
+        """One snapshot of the counters, as switchagg.metrics exports them."""
+        from switchagg.metrics import DataPlaneSample, JobSample
+
+        c, jobs = self.counters(), self._jobs  # replaced, never mutated: a consistent snapshot
+        host, port = self.address
+        return DataPlaneSample(
+            switch=f"{host}:{port}",
+            data_plane="software",
+            drops=c["drops"],
+            jobs=[
+                JobSample(job_id, counters, jobs[job_id].slot_count, jobs[job_id].n, jobs[job_id].name)
+                for job_id, counters in sorted(c["jobs"].items())
+                if job_id in jobs
+            ],
+            pool_slots=POOL_SLOTS,
+            packets_received=c["rx"],
+            packets_sent=c["tx"],
+            faults=c["faults"],
+        )
+
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Serves this aggregator's metrics (and its process's) on http://host:port/metrics from a
+        daemon thread (0: a free port); returns the bound address."""
+        try:
+            from prometheus_client import CollectorRegistry, ProcessCollector
+        except ImportError as e:
+            raise ImportError(f"{e}: metrics need pip install 'switchagg[metrics]'") from e
+
+        from switchagg import metrics
+
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # CPU and memory: is the aggregator the bottleneck?
+        registry.register(
+            metrics.SnapshotCollector(lambda: metrics.data_plane_families([self.metrics_sample()]))
+        )
+        return metrics.serve(registry, port, host)
 
     def start(self) -> SoftwareAggregator:
         if self._thread is not None:
@@ -194,9 +264,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dup-out", type=_probability, default=0.0, help="send datagrams twice")
     p.add_argument("--seed", type=int, default=1, help="fault injection seed")
     p.add_argument(
+        "--job-name",
+        action="append",
+        type=_job_name,
+        default=[],
+        metavar="ID=NAME",
+        help="a job's name in the metrics' labels (repeatable)",
+    )
+    p.add_argument(
         "--stats-interval", type=float, default=0.0, metavar="SECONDS", help="print counters periodically"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: a free port)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)",
+    )
     return p
+
+
+def _job_name(text: str) -> tuple[int, str]:
+    job, sep, name = text.partition("=")
+    if not sep or not job.isdigit() or not name:
+        raise argparse.ArgumentTypeError(f"--job-name {text!r}: expected ID=NAME")
+    return int(job), name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,9 +308,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             dup_out=args.dup_out,
             seed=args.seed,
         )
+        names = dict(args.job_name)
+        unknown = sorted(set(names) - {job[0] for job in args.job})
+        if unknown:
+            raise ValueError(f"--job-name names job {unknown[0]}, which no --job installs")
         for job in args.job:
-            agg.add_job(*job)
-    except (ValueError, OSError) as exc:
+            agg.add_job(*job, name=names.get(job[0], ""))
+        if args.metrics_port is not None:
+            metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
+    except (ValueError, OSError, ImportError) as exc:
         print(f"switchagg-aggregator: {exc}", file=sys.stderr)
         return 2
 
@@ -230,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ", ".join(f"{j[0]} (n={j[1]}, slots {j[2]}..{j[2] + j[3] - 1}, K={j[4]})" for j in args.job) or "none"
     )
     print(f"switchagg-aggregator listening on {host}:{port}; jobs: {jobs}", flush=True)
+    if args.metrics_port is not None:
+        print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
     interval = args.stats_interval if args.stats_interval > 0 else None
     while not done.wait(interval):
         print(format_counters(agg.counters()), flush=True)

@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=protocol.DEFAULT_SW_K, help="elements per packet")
     p.add_argument("--slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots (packets in flight)")
     p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--port", type=int, default=0, help="the aggregator's UDP port (default: a free one)")
     p.add_argument("--drop", type=float, default=0.0, help="inject this loss probability both ways")
     args = p.parse_args(argv)
 
     from switchagg.aggregator import SoftwareAggregator
 
-    agg = SoftwareAggregator("127.0.0.1", 0, drop_in=args.drop, drop_out=args.drop)
+    agg = SoftwareAggregator("127.0.0.1", args.port, drop_in=args.drop, drop_out=args.drop)
     agg.start()
     port = agg.address[1]
     print(

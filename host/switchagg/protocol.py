@@ -15,15 +15,18 @@ UDP_PORT = 48879  # 0xBEEF
 
 MSG_DATA = 1  # worker -> aggregator: a contribution
 MSG_RESULT = 2  # aggregator -> worker: the finished sum of a slot
+MSG_NAMES = {MSG_DATA: "DATA", MSG_RESULT: "RESULT"}
 
 FLAG_PRIME = 0x01  # payload is zero; the packet only carries an exponent ahead
+FLAG_NAMES = {FLAG_PRIME: "PRIME"}
 
 POOL_SET_BIT = 0x8000  # top bit of the pool field: shadow set (0 or 1)
 POOL_SLOT_MASK = 0x7FFF  # low 15 bits: absolute slot index
 
 EXP_NONE = -128  # "no exponent": the block is all zero or no block follows
 
-HEADER_FORMAT = "!BBBbHHHHI"  # version type flags exp job rank pool elems offset
+HEADER_FORMAT = "!BBBbHHHHI"
+HEADER_FIELDS = ("version", "type", "flags", "exp", "job", "rank", "pool", "elems", "offset")  # in order
 HEADER_LEN = struct.calcsize(HEADER_FORMAT)  # 16
 
 MAX_WORKERS = 32  # worker bitmaps are 32 bits wide

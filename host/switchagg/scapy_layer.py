@@ -32,7 +32,7 @@ class Agg(Packet):
     name = "switchagg"
     fields_desc = [
         ByteField("version", protocol.VERSION),
-        ByteEnumField("type", protocol.MSG_DATA, {protocol.MSG_DATA: "DATA", protocol.MSG_RESULT: "RESULT"}),
+        ByteEnumField("type", protocol.MSG_DATA, protocol.MSG_NAMES),
         FlagsField("flags", 0, 8, ["PRIME"]),
         SignedByteField("exp", protocol.EXP_NONE),
         ShortField("job", 0),
@@ -41,7 +41,14 @@ class Agg(Packet):
         BitField("slot", 0, 15),
         ShortField("elems", None),
         IntField("offset", 0),
-        FieldListField("values", [], SignedIntField("", 0), length_from=lambda pkt: _whole_words(pkt)),
+        # max_count: scapy stops a list at conf.max_list_count (100) values otherwise.
+        FieldListField(
+            "values",
+            [],
+            SignedIntField("", 0),
+            length_from=lambda pkt: _whole_words(pkt),
+            max_count=protocol.MAX_K,
+        ),
     ]
 
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -12,6 +14,8 @@ import numpy as np
 
 from switchagg import _core, protocol
 
+_METRICS_PORT_ENV = "SWITCHAGG_METRICS_PORT"
+_METRICS_HOST_ENV = "SWITCHAGG_METRICS_HOST"
 _KINDS = {np.dtype(np.float32): "f", np.dtype(np.int32): "i"}
 
 
@@ -55,10 +59,16 @@ class Session:
         rto: float = 0.05,
         rto_max: float = 1.0,
         rcvbuf: int = 0,
+        metrics_port: int | None = None,
         _worker: _core.Worker | None = None,
     ) -> None:
         """``rcvbuf``: the socket's receive buffer in bytes (0: as large as the system allows); a
-        buffer too small for the job's window shrinks the window, with a warning."""
+        buffer too small for the job's window shrinks the window, with a warning.
+
+        ``metrics_port``: serve this process's worker metrics for Prometheus on this port (0: a
+        free one, see ``metrics_address``); None: the port $SWITCHAGG_METRICS_PORT names (plus
+        $LOCAL_RANK, so that torchrun's ranks on one host do not collide), if set. Bound to
+        $SWITCHAGG_METRICS_HOST, default 127.0.0.1. Needs ``pip install switchagg[metrics]``."""
         self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1], rcvbuf)
         self._worker.configure(
             aggregator[0],
@@ -91,6 +101,41 @@ class Session:
         self._lock = threading.Lock()
         self._closed = False
         self._membership: Any = None  # jobclient.Membership when joined through the job service
+        self.job_name = ""  # the job service's name for the job, when joined through it
+        self.metrics_address: tuple[str, int] | None = None  # where this process serves worker metrics
+        self._metrics: Any = None  # switchagg.metrics.WORKERS while this session exports
+        self._export_metrics(metrics_port)
+
+    def _export_metrics(self, port: int | None) -> None:
+        from_env = port is None
+        if from_env:
+            text = os.environ.get(_METRICS_PORT_ENV, "").strip()
+            if not text:
+                return
+            try:
+                port = int(text) + int(os.environ.get("LOCAL_RANK", "0"))
+            except ValueError:
+                warnings.warn(
+                    f"switchagg: {_METRICS_PORT_ENV}={text!r} is not a port", RuntimeWarning, stacklevel=3
+                )
+                return
+        assert port is not None
+        host = os.environ.get(_METRICS_HOST_ENV, "127.0.0.1")
+        try:
+            from switchagg import metrics
+
+            self.metrics_address = metrics.WORKERS.serve(port, host)
+        except (ImportError, OSError) as exc:
+            hint = " (pip install switchagg[metrics])" if isinstance(exc, ImportError) else ""
+            if not from_env:
+                raise type(exc)(f"switchagg: cannot serve metrics on {host}:{port}: {exc}{hint}") from exc
+            # Metrics asked for by the environment never stop a job.
+            warnings.warn(
+                f"switchagg: no metrics on {host}:{port}: {exc}{hint}", RuntimeWarning, stacklevel=3
+            )
+            return
+        self._metrics = metrics.WORKERS
+        self._metrics.attach(self)
 
     @classmethod
     def from_job_service(
@@ -104,6 +149,7 @@ class Session:
         timeout: float = 10.0,
         join_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
+        metrics_port: int | None = None,
     ) -> Session:
         """Join ``job_name`` through the controller's job service and open its session; the session
         heartbeats every ``heartbeat_interval`` seconds while it lives and leaves the job on close."""
@@ -123,8 +169,10 @@ class Session:
             a.slot_count,
             a.k,
             timeout=timeout,
+            metrics_port=metrics_port,
             _worker=worker,
         )
+        session.job_name = job_name
         session.data_plane = a.data_plane
         session.assignment = a
         # The membership lives as long as the session: heartbeats keep idle phases from being
@@ -148,7 +196,16 @@ class Session:
         if self._closed:
             raise _core.SwitchaggError("the session is closed")
         with self._lock:
-            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+            if self._metrics is None:
+                self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+                return
+            t0 = time.perf_counter()
+            try:
+                self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+            except _core.SwitchaggTimeout:
+                self._metrics.timed_out(self)
+                raise
+            self._metrics.observe(self, time.perf_counter() - t0, array.nbytes)
 
     def allreduce_async(self, tensor: Any) -> concurrent.futures.Future[None]:
         array = _as_array(tensor)  # type errors surface now, not in the future
@@ -170,6 +227,9 @@ class Session:
             self._executor.shutdown(wait=True)
         with self._lock:
             self._worker.close()
+        if self._metrics is not None:
+            self._metrics.detach(self)
+            self._metrics = None
         membership, self._membership = self._membership, None
         if membership is not None:
             membership.end()

@@ -1,0 +1,311 @@
+"""Prometheus metrics: the one module that names them and builds them from counter snapshots.
+
+The counters live where the packets are (the C aggregator and worker, the P4 switch's counter
+arrays), so a metric is built at scrape time from one snapshot of them (a custom collector)
+instead of being counted twice. The data plane's families (`data_plane_families`) take plain
+samples, so the software aggregator and the controller (P4 counters read over P4Runtime) export
+the same names and labels; `serve` starts the HTTP endpoint. Names follow Prometheus
+conventions: `switchagg_` prefix, `_total` for counters, base units (`_seconds`, `_bytes`).
+docs/OBSERVABILITY.md lists them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from switchagg.protocol import DROP_REASONS, JOB_COUNTERS
+
+DEFAULT_HOST = "127.0.0.1"  # a scraper on another host needs 0.0.0.0 (or the host's address)
+
+SWITCH_LABELS = ("switch", "data_plane")
+JOB_LABELS = (*SWITCH_LABELS, "job", "job_id")
+WORKER_LABELS = ("job", "job_id", "rank", "data_plane")
+
+# docs/PROTOCOL.md, Counters: what each per-job counter counts.
+_JOB_HELP = {
+    "aggregated": "Contributions added to a slot",
+    "multicast": "Results multicast to every rank of the job",
+    "resent": "Results unicast again to a rank that retransmitted to a complete slot",
+    "retrans_ignored": "Retransmissions to a slot still waiting for other ranks (dropped)",
+}
+
+
+# --- the data plane (aggregator, switch) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """One job's counters on one data plane (``counters`` keyed by protocol.JOB_COUNTERS)."""
+
+    job_id: int
+    counters: Mapping[str, int]
+    slots: int
+    workers: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DataPlaneSample:
+    """One data plane's counters: ``switch`` names it (an aggregator's host:port, a switch's name)."""
+
+    switch: str
+    data_plane: str  # "software" or "p4", as the job service reports it
+    drops: Mapping[str, int]  # keyed by protocol.DROP_REASONS
+    jobs: Sequence[JobSample] = ()
+    pool_slots: int | None = None  # the slot pool's size, when known: slots free = this - allocated
+    packets_received: int | None = None
+    packets_sent: int | None = None
+    faults: Mapping[str, int] = field(default_factory=dict)  # the software fault injector's counts
+
+
+def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
+    """Every data plane metric for these data planes, one family per name."""
+    c = _Families()
+    for s in samples:
+        where = (s.switch, s.data_plane)
+        for reason in DROP_REASONS:
+            c.counter(
+                "switchagg_drops",
+                "Packets dropped without changing any sum, by reason (docs/PROTOCOL.md)",
+                (*SWITCH_LABELS, "reason"),
+                (*where, reason),
+                s.drops.get(reason, 0),
+            )
+        if s.packets_received is not None:
+            c.counter(
+                "switchagg_packets_received", "Datagrams received", SWITCH_LABELS, where, s.packets_received
+            )
+        if s.packets_sent is not None:
+            c.counter("switchagg_packets_sent", "Datagrams sent", SWITCH_LABELS, where, s.packets_sent)
+        for kind, value in s.faults.items():
+            c.counter(
+                "switchagg_faults_injected",
+                "Datagrams the fault injector dropped or duplicated (tests)",
+                (*SWITCH_LABELS, "fault"),
+                (*where, kind),
+                value,
+            )
+        allocated = sum(j.slots for j in s.jobs)
+        c.gauge("switchagg_jobs", "Jobs installed", SWITCH_LABELS, where, len(s.jobs))
+        c.gauge(
+            "switchagg_slots_allocated", "Slots of the pool held by jobs", SWITCH_LABELS, where, allocated
+        )
+        if s.pool_slots is not None:
+            c.gauge(
+                "switchagg_slots_free",
+                "Slots of the pool no job holds",
+                SWITCH_LABELS,
+                where,
+                s.pool_slots - allocated,
+            )
+        for j in s.jobs:
+            labels = (*where, j.name, str(j.job_id))
+            for name in JOB_COUNTERS:
+                c.counter(
+                    f"switchagg_job_{name}", _JOB_HELP[name], JOB_LABELS, labels, j.counters.get(name, 0)
+                )
+            c.gauge("switchagg_job_slots", "Slots the job holds (its window)", JOB_LABELS, labels, j.slots)
+            c.gauge("switchagg_job_workers", "Ranks of the job", JOB_LABELS, labels, j.workers)
+    return c.families()
+
+
+class _Families:
+    """Collects samples into one family per metric name, in first-seen order."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Metric] = {}
+
+    def counter(
+        self, name: str, doc: str, labels: Sequence[str], values: Sequence[str], value: float
+    ) -> None:
+        family = self._by_name.get(name)
+        if family is None:
+            family = self._by_name[name] = CounterMetricFamily(name, doc, labels=list(labels))
+        assert isinstance(family, CounterMetricFamily)
+        family.add_metric(list(values), value)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str], values: Sequence[str], value: float) -> None:
+        family = self._by_name.get(name)
+        if family is None:
+            family = self._by_name[name] = GaugeMetricFamily(name, doc, labels=list(labels))
+        assert isinstance(family, GaugeMetricFamily)
+        family.add_metric(list(values), value)
+
+    def families(self) -> list[Metric]:
+        return list(self._by_name.values())
+
+
+class SnapshotCollector(Collector):
+    """A collector that builds its families at each scrape by calling ``snapshot``."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[Metric]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._snapshot()
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not take a snapshot; names are not checked for duplicates
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = DEFAULT_HOST) -> tuple[str, int]:
+    """Serves ``registry`` over HTTP (GET /metrics) from a daemon thread; returns the bound address."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound_host, bound_port = server.server_address[:2]
+    return str(bound_host), int(bound_port)
+
+
+# --- the workers (host library) -----------------------------------------------------------------
+
+
+class _Session(Protocol):
+    job: int
+    rank: int
+    job_name: str
+    data_plane: str
+
+    def stats(self) -> dict[str, int]: ...
+
+
+ALLREDUCE_SECONDS = Histogram(
+    "switchagg_worker_allreduce_seconds",
+    "Time of one allreduce, call to return",
+    WORKER_LABELS,
+    registry=None,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60),
+)
+ALLREDUCE_BYTES = Counter(
+    "switchagg_worker_allreduce_bytes",
+    "Bytes of the tensors reduced (once per allreduce)",
+    WORKER_LABELS,
+    registry=None,
+)
+SESSION_TIMEOUTS = Counter(
+    "switchagg_worker_session_timeouts",
+    "Allreduces that failed because no slot made progress for the session's timeout",
+    WORKER_LABELS,
+    registry=None,
+)
+
+
+def worker_labels(s: _Session) -> tuple[str, str, str, str]:
+    return (s.job_name, str(s.job), str(s.rank), s.data_plane)
+
+
+def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
+    """The C packet path's counters of these sessions."""
+    c = _Families()
+    for s in sessions:
+        st, labels = s.stats(), worker_labels(s)
+        fast = st.get("fast_retransmits", 0)
+        kinds = (("timeout", st.get("retransmits", 0) - fast), ("fast", fast))
+        for kind, value in kinds:
+            c.counter(
+                "switchagg_worker_retransmits",
+                "Packets resent: after a retransmission timeout, or a fast retransmit (docs/PROTOCOL.md)",
+                (*WORKER_LABELS, "kind"),
+                (*labels, kind),
+                value,
+            )
+        c.counter(
+            "switchagg_worker_packets_sent",
+            "DATA packets sent, resends included",
+            WORKER_LABELS,
+            labels,
+            st.get("sent", 0),
+        )
+        c.counter(
+            "switchagg_worker_sent_bytes",
+            "UDP payload bytes sent, resends included",
+            WORKER_LABELS,
+            labels,
+            st.get("bytes_sent", 0),
+        )
+        c.counter(
+            "switchagg_worker_results", "RESULT packets accepted", WORKER_LABELS, labels, st.get("results", 0)
+        )
+        c.counter(
+            "switchagg_worker_stale_results",
+            "RESULT packets dropped as stale or duplicate",
+            WORKER_LABELS,
+            labels,
+            st.get("stale", 0),
+        )
+        c.counter(
+            "switchagg_worker_allreduces",
+            "Allreduces completed",
+            WORKER_LABELS,
+            labels,
+            st.get("allreduces", 0),
+        )
+    return c.families()
+
+
+class WorkerMetrics:
+    """The process's open sessions, as one collector plus the histograms the Python side observes."""
+
+    def __init__(self) -> None:
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._registered: set[int] = set()  # ids of registries this is registered in
+        self._servers: dict[tuple[str, int], tuple[str, int]] = {}
+        self._collector = SnapshotCollector(self._snapshot)
+
+    def _snapshot(self) -> list[Metric]:
+        with self._lock:
+            sessions = list(self._sessions)
+        return worker_families(sessions)
+
+    def register(self, registry: CollectorRegistry = REGISTRY) -> None:
+        with self._lock:
+            if id(registry) in self._registered:
+                return
+            self._registered.add(id(registry))
+        for collector in (self._collector, ALLREDUCE_SECONDS, ALLREDUCE_BYTES, SESSION_TIMEOUTS):
+            registry.register(collector)
+
+    def serve(
+        self, port: int, host: str = DEFAULT_HOST, registry: CollectorRegistry = REGISTRY
+    ) -> tuple[str, int]:
+        """Serves the worker metrics on host:port, once per address in this process (0: a free port)."""
+        self.register(registry)
+        with self._lock:
+            if port and (host, port) in self._servers:
+                return self._servers[(host, port)]
+            address = serve(registry, port, host)
+            self._servers[(host, port)] = address
+            return address
+
+    def attach(self, session: _Session) -> None:
+        with self._lock:
+            self._sessions.add(session)
+
+    def observe(self, session: _Session, seconds: float, nbytes: int) -> None:
+        labels = worker_labels(session)
+        ALLREDUCE_SECONDS.labels(*labels).observe(seconds)
+        ALLREDUCE_BYTES.labels(*labels).inc(nbytes)
+
+    def timed_out(self, session: _Session) -> None:
+        SESSION_TIMEOUTS.labels(*worker_labels(session)).inc()
+
+    def detach(self, session: _Session) -> None:
+        """A closed session's series disappear (its counters died with its socket)."""
+        with self._lock:
+            self._sessions.discard(session)
+        labels = worker_labels(session)
+        for metric in (ALLREDUCE_SECONDS, ALLREDUCE_BYTES, SESSION_TIMEOUTS):
+            try:
+                metric.remove(*labels)
+            except KeyError:  # never observed
+                pass
+
+
+WORKERS = WorkerMetrics()

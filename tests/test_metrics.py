@@ -1,0 +1,282 @@
+"""Prometheus metrics scraped over HTTP while real jobs run: `switchagg-aggregator --metrics-port`
+(a separate process, with loss injected) and the workers' side of the host library (a Session
+argument and $SWITCHAGG_METRICS_PORT). Each scrape is validated by `promtool check metrics` where
+the Debian `prometheus` package is installed, and always by the client library's own parser."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client (pip install .[metrics])")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
+from switchagg.aggregator import SoftwareAggregator  # noqa: E402
+
+WAIT_S = 30.0
+PROMTOOL = shutil.which("promtool")
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(address: tuple[str, int]) -> Samples:
+    """GET /metrics, validated, as {(sample name, labels): value}."""
+    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=WAIT_S) as r:
+        text = r.read().decode()
+    if PROMTOOL is not None:  # the Prometheus project's own linter
+        check = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name`` over the samples whose labels include ``labels``."""
+    want = set(labels.items())
+    found = [v for (n, ls), v in samples.items() if n == name and want <= ls]
+    assert found, f"no sample {name}{labels}"
+    return sum(found)
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """The process's stdout lines, read by a thread (select() cannot see what TextIO buffered)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+@pytest.fixture
+def aggregator_cli(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Starts `switchagg-aggregator` for a job of the given workers; yields (port, metrics address)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(workers: list[_core.Worker], *extra: str) -> tuple[int, tuple[str, int]]:
+        addrs = ",".join("{}:{}".format(*w.address) for w in workers)
+        cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--metrics-port", "0"]
+        cmd += ["--job", f"5:{len(workers)}:100:8:{K}@{addrs}", "--job-name", "5=resnet", *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(proc)
+        lines = _lines(proc)
+        first, second = lines.get(timeout=WAIT_S), lines.get(timeout=WAIT_S)
+        assert "listening on 127.0.0.1:" in first, first
+        port = int(first.split("127.0.0.1:")[1].split(";")[0])
+        url = second.split("http://")[1].split("/")[0]
+        host, _, metrics_port = url.rpartition(":")
+        return port, (host, int(metrics_port))
+
+    yield start
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+
+
+K, N, SIZE = 1024, 2, 200_000  # 196 chunks per allreduce
+CHUNKS = -(-SIZE // K)
+
+
+def _allreduce_all(sessions: list[Session], tensors: list[np.ndarray]) -> None:
+    errors: list[BaseException] = []
+
+    def one(s: Session, t: np.ndarray) -> None:
+        try:
+            s.allreduce(t)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(s, t)) for s, t in zip(sessions, tensors, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 2)
+    assert not errors, errors
+
+
+def _eventually(check: Callable[[], Samples | None], what: str) -> Samples:
+    """Calls ``check`` (which scrapes) until it returns samples: a retransmission still in flight
+    when the allreduces returned reaches the aggregator a moment later. Bounded; the failure says what."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        samples = check()
+        if samples is not None:
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.05)
+
+
+def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: Any) -> None:
+    workers = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
+    port, agg_metrics = aggregator_cli(workers, "--drop-in", "0.05", "--seed", "3")
+    sessions = [
+        Session(5, r, N, ("127.0.0.1", port), 100, 8, K, timeout=20, rto=0.02, metrics_port=0, _worker=w)
+        for r, w in enumerate(workers)
+    ]
+    try:
+        job = {"job": "resnet", "job_id": "5", "data_plane": "software"}
+        before = scrape(agg_metrics)
+        assert value(before, "switchagg_job_aggregated_total", **job) == 0
+        assert value(before, "switchagg_job_slots", **job) == 8
+        assert value(before, "switchagg_job_workers", **job) == N
+        assert value(before, "switchagg_slots_allocated", data_plane="software") == 8
+        assert value(before, "switchagg_slots_free", data_plane="software") == protocol.POOL_SLOT_MASK + 1 - 8
+        assert value(before, "switchagg_jobs") == 1
+        assert value(before, "process_cpu_seconds_total") > 0
+
+        rng = np.random.default_rng(5)
+        inputs = [rng.integers(-1000, 1000, SIZE, dtype=np.int32) for _ in range(N)]
+        expected = np.sum(inputs, axis=0, dtype=np.int32)
+        worker_address = sessions[0].metrics_address
+        assert worker_address is not None
+        for round_ in (1, 2):
+            tensors = [x.copy() for x in inputs]
+            _allreduce_all(sessions, tensors)
+            assert all(np.array_equal(t, expected) for t in tensors)
+
+            def settled() -> Samples | None:
+                # Every DATA packet a worker sent was either dropped by the injector, or counted
+                # by the aggregator exactly once as aggregated, resent or retrans_ignored.
+                agg, wk = scrape(agg_metrics), scrape(worker_address)
+                sent = value(wk, "switchagg_worker_packets_sent_total", job_id="5")
+                accounted = sum(
+                    value(agg, f"switchagg_job_{c}_total", **job)
+                    for c in protocol.JOB_COUNTERS
+                    if c != "multicast"
+                ) + value(agg, "switchagg_faults_injected_total", fault="dropped_in")
+                return {**agg, **wk} if sent == accounted else None
+
+            now = _eventually(settled, "the aggregator accounts for every packet the workers sent")
+            # int32: every chunk is one contribution per rank and one multicast, lost or not.
+            assert value(now, "switchagg_job_aggregated_total", **job) == round_ * N * CHUNKS
+            assert value(now, "switchagg_job_multicast_total", **job) == round_ * CHUNKS
+            assert value(now, "switchagg_worker_allreduces_total", job_id="5") == round_ * N
+            assert value(now, "switchagg_worker_allreduce_seconds_count", job_id="5") == round_ * N
+            assert value(now, "switchagg_worker_allreduce_bytes_total", job_id="5") == round_ * N * SIZE * 4
+            assert value(now, "switchagg_worker_results_total", job_id="5") == round_ * N * CHUNKS
+            assert value(now, "switchagg_packets_received_total") == value(
+                now, "switchagg_worker_packets_sent_total", job_id="5"
+            )
+        # 5% of ~800 DATA packets were dropped: some were resent (by timer or fast retransmit),
+        # and each resend was answered with the stored result, ignored, or aggregated.
+        dropped = value(now, "switchagg_faults_injected_total", fault="dropped_in")
+        resends = value(now, "switchagg_worker_retransmits_total", job_id="5")
+        assert dropped > 0 and resends >= dropped
+        assert value(now, "switchagg_worker_allreduce_seconds_sum", job_id="5") > 0
+
+        # A malformed and a spoofed packet are dropped by reason. The injector drops 5% of what
+        # arrives, so each is sent again until its reason counted it (the injector counts the rest).
+        good = protocol.Header(job=5, rank=0, slot=100, values=[1] * K)
+        bad_version = protocol.Header(**{**good.__dict__, "version": 9}).pack()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            for reason, packet in (("bad_version", bad_version), ("spoofed", good.pack())):
+                for _ in range(20):
+                    seen = scrape(agg_metrics)
+                    injected = value(seen, "switchagg_faults_injected_total", fault="dropped_in")
+                    stranger.sendto(packet, ("127.0.0.1", port))
+
+                    def counted(injected: float = injected, reason: str = reason) -> Samples | None:
+                        s = scrape(agg_metrics)
+                        dropped = value(s, "switchagg_faults_injected_total", fault="dropped_in")
+                        return (
+                            s
+                            if value(s, "switchagg_drops_total", reason=reason) or dropped > injected
+                            else None
+                        )
+
+                    drops = _eventually(counted, f"the {reason} packet is counted")
+                    if value(drops, "switchagg_drops_total", reason=reason):
+                        break
+                assert value(drops, "switchagg_drops_total", reason=reason) == 1
+        assert value(drops, "switchagg_job_aggregated_total", **job) == 2 * N * CHUNKS  # no sum changed
+    finally:
+        for s in sessions:
+            s.close()
+    gone = scrape(worker_address)
+    assert not [k for k in gone if dict(k[1]).get("job_id") == "5"], "a closed session's series remain"
+
+
+def test_a_timed_out_allreduce_is_counted() -> None:
+    with SoftwareAggregator("127.0.0.1", 0) as agg:
+        worker = _core.Worker("127.0.0.1", 0)
+        agg.add_job(6, 2, 0, 2, 64, 1, [worker.address, ("127.0.0.1", 9)])  # rank 1 never comes
+        with Session(6, 0, 2, agg.address, 0, 2, 64, timeout=0.3, metrics_port=0, _worker=worker) as s:
+            assert s.metrics_address is not None
+            with pytest.raises(SwitchaggTimeout):
+                s.allreduce(np.zeros(100, np.int32))
+            after = scrape(s.metrics_address)
+    assert value(after, "switchagg_worker_session_timeouts_total", job_id="6", rank="0") == 1
+    assert value(after, "switchagg_worker_retransmits_total", job_id="6", kind="timeout") > 0
+    assert value(after, "switchagg_worker_allreduces_total", job_id="6") == 0
+    assert not [k for k in after if k[0].startswith("switchagg_worker_allreduce_seconds")]  # none finished
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_environment_turns_worker_metrics_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _free_tcp_port() - 1
+    monkeypatch.setenv("SWITCHAGG_METRICS_PORT", str(base))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second rank on this host: base + 1
+    with Session(7, 1, 2, ("127.0.0.1", 9)) as s:
+        assert s.metrics_address == ("127.0.0.1", base + 1)
+        assert (
+            value(scrape(s.metrics_address), "switchagg_worker_packets_sent_total", job_id="7", rank="1") == 0
+        )
+        # A second process's port clash or a typo never stops a job: a warning, no metrics.
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            monkeypatch.setenv("SWITCHAGG_METRICS_PORT", str(taken.getsockname()[1]))
+            monkeypatch.setenv("LOCAL_RANK", "0")
+            with pytest.warns(RuntimeWarning, match="no metrics"), Session(8, 0, 2, ("127.0.0.1", 9)) as t:
+                assert t.metrics_address is None
+        monkeypatch.setenv("SWITCHAGG_METRICS_PORT", "http")
+        with pytest.warns(RuntimeWarning, match="is not a port"), Session(9, 0, 2, ("127.0.0.1", 9)) as u:
+            assert u.metrics_address is None
+    monkeypatch.delenv("SWITCHAGG_METRICS_PORT")
+    with Session(10, 0, 2, ("127.0.0.1", 9)) as v:
+        assert v.metrics_address is None
+
+
+def test_cli_refuses_a_name_for_a_job_it_does_not_install() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job-name", "3=resnet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "names job 3, which no --job installs" in out.stderr, out.stderr

@@ -2,7 +2,11 @@
  *
  * One UDP socket, served by run() with the GIL released: recvmmsg a batch, process it under the
  * state mutex (so add_job/remove_job/counters from other threads see whole batches), sendmmsg
- * the results. No allocation on the per-packet path. */
+ * the results. No allocation on the per-packet path.
+ *
+ * A job is aggregated either in one level (its ranks are workers, or leaves when this is a spine:
+ * the code is the same) or as a leaf of a two-level job (docs/PROTOCOL.md, Two levels): it sums its
+ * local ranks and sends the partial to its spine, and multicasts the spine's RESULT. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -37,13 +41,23 @@ struct job {
     /* Rank r's address, bound by the control plane: its packets must come from it and its results
      * go to it. There is no learnt mode: a foreign packet must never count as a rank's contribution. */
     struct sockaddr_in addrs[SA_MAX_WORKERS];
+    uint32_t local_mask;             /* ranks with an address here: all of them, except on a leaf */
+    uint32_t m;                      /* contributions that complete a slot here: popcount(local_mask) */
+    int leaf;                        /* a leaf of a two-level job: partials go to upstream */
+    uint16_t leaf_index;             /* this leaf's rank at the spine */
+    struct sockaddr_in upstream;     /* the spine; RESULTs are accepted only from it */
     uint64_t aggregated, multicast, resent, retrans_ignored;
+    uint64_t upstream_sent, upstream_resent, stale_results; /* leaf only */
     /* Slot state; index i = local_slot * 2 + set. */
     uint16_t *slot_gen;              /* per local slot */
     uint32_t *bitmap;
     uint8_t *cnt;
     int8_t *exp;
     uint32_t *values;                /* count * 2 * k, host order, uint32 so that adds wrap */
+    /* Leaf only, per state index: the value is the spine's result; the partial's offset, flags. */
+    uint8_t *final;
+    uint32_t *poffset;
+    uint8_t *pflags;
 };
 
 struct out_msg {
@@ -85,6 +99,9 @@ static void job_free(struct job *j) {
     free(j->cnt);
     free(j->exp);
     free(j->values);
+    free(j->final);
+    free(j->poffset);
+    free(j->pflags);
     free(j);
 }
 
@@ -145,8 +162,8 @@ static uint8_t *take_payload(Aggregator *a) {
     return a->out_payloads + (a->n_payloads++) * RX_BUF;
 }
 
-static void queue_result(Aggregator *a, const struct sa_header *h, uint16_t rank, int8_t exp,
-                         const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
+static void queue_msg(Aggregator *a, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
+                      const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
     int copies = 1;
     if (a->drop_out > 0 && sa_rand01(&a->rng) < a->drop_out) {
         a->faults[F_DROPPED_OUT]++;
@@ -160,13 +177,18 @@ static void queue_result(Aggregator *a, const struct sa_header *h, uint16_t rank
         if (a->n_out == OUT_MSGS) flush_out(a); /* keeps the payload buffers: more copies may follow */
         struct out_msg *o = &a->out[a->n_out++];
         o->head = *h;
-        o->head.type = SA_MSG_RESULT;
+        o->head.type = type;
         o->head.rank = htons(rank);
         o->head.exp = exp;
         o->payload = payload;
         o->payload_len = len;
         o->dst = *dst;
     }
+}
+
+static void queue_result(Aggregator *a, const struct sa_header *h, uint16_t rank, int8_t exp,
+                         const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
+    queue_msg(a, h, SA_MSG_RESULT, rank, exp, payload, len, dst);
 }
 
 /* Result payload of state index si, converted to network order in a fresh output buffer. */
@@ -180,6 +202,70 @@ static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y) {
     return x->sin_addr.s_addr == y->sin_addr.s_addr && x->sin_port == y->sin_port;
 }
 
+/* RESULT(value[si]) to every rank with an address here, header copied from h. */
+static void multicast(Aggregator *a, struct job *j, const struct sa_header *h, size_t si) {
+    const uint8_t *out = encode_result(a, j, si);
+    for (uint32_t q = 0; q < j->n; q++) {
+        if (j->local_mask >> q & 1)
+            queue_result(a, h, (uint16_t)q, j->exp[si], out, 4 * (size_t)j->k, &j->addrs[q]);
+    }
+    j->multicast++;
+}
+
+/* A leaf's partial of state index si to the spine: a worker's DATA with rank = the leaf index. */
+static void send_partial(Aggregator *a, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
+    struct sa_header up = {
+        .version = SA_VERSION,
+        .flags = j->pflags[si],
+        .job = htons(j->id),
+        .pool = htons((uint16_t)(slot | (s ? SA_POOL_SET_BIT : 0))),
+        .elems = htons((uint16_t)j->k),
+        .offset = htonl(j->poffset[si]),
+    };
+    const uint8_t *out = encode_result(a, j, si);
+    queue_msg(a, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
+}
+
+/* A RESULT: only a leaf takes one, only from its spine, and only as the answer to its partial. */
+static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+    const struct sa_header *h = (const struct sa_header *)buf;
+    struct job *j = a->jobs[ntohs(h->job)];
+    if (j == NULL || !j->leaf) { /* what a worker sent by mistake, as in one level */
+        a->drops[SA_DROP_BAD_TYPE]++;
+        return;
+    }
+    if (ntohs(h->rank) != j->leaf_index) {
+        a->drops[SA_DROP_BAD_RANK]++;
+        return;
+    }
+    if (!same_addr(&j->upstream, src)) {
+        a->drops[SA_DROP_SPOOFED]++;
+        return;
+    }
+    uint32_t pool = ntohs(h->pool);
+    uint32_t slot = pool & SA_POOL_SLOT_MASK, s = pool >> 15;
+    if (slot < j->base || slot >= j->base + j->count) {
+        a->drops[SA_DROP_BAD_POOL]++;
+        return;
+    }
+    if (len != SA_HEADER_LEN + 4 * (size_t)j->k || ntohs(h->elems) != j->k) {
+        a->drops[SA_DROP_TRUNCATED]++;
+        return;
+    }
+    uint32_t local = slot - j->base;
+    size_t si = 2 * (size_t)local + s;
+    /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. */
+    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] ||
+        ntohl(h->offset) != j->poffset[si] || h->flags != j->pflags[si]) {
+        j->stale_results++;
+        return;
+    }
+    k_load(j->values + si * j->k, (const uint32_t *)(buf + SA_HEADER_LEN), j->k);
+    j->exp[si] = h->exp;
+    j->final[si] = 1;
+    multicast(a, j, h, si);
+}
+
 static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     if (len < SA_HEADER_LEN) {
         a->drops[SA_DROP_TRUNCATED]++;
@@ -188,6 +274,10 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
     const struct sa_header *h = (const struct sa_header *)buf;
     if (h->version != SA_VERSION) {
         a->drops[SA_DROP_BAD_VERSION]++;
+        return;
+    }
+    if (h->type == SA_MSG_RESULT) {
+        process_result(a, buf, len, src);
         return;
     }
     if (h->type != SA_MSG_DATA) {
@@ -204,7 +294,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         a->drops[SA_DROP_BAD_RANK]++;
         return;
     }
-    if (!same_addr(&j->addrs[r], src)) {
+    if (!(j->local_mask >> r & 1) || !same_addr(&j->addrs[r], src)) { /* a rank behind another leaf */
         a->drops[SA_DROP_SPOOFED]++;
         return;
     }
@@ -226,6 +316,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         j->slot_gen[local] = j->gen;
         j->bitmap[2 * local] = j->bitmap[2 * local + 1] = 0;
         j->cnt[2 * local] = j->cnt[2 * local + 1] = 0;
+        if (j->leaf) j->final[2 * local] = j->final[2 * local + 1] = 0;
     }
     size_t si = 2 * (size_t)local + s, so = 2 * (size_t)local + (1 - s);
     const uint32_t *p = (const uint32_t *)(buf + SA_HEADER_LEN);
@@ -238,23 +329,38 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
             k_load(v, p, k);
             j->exp[si] = h->exp;
             j->cnt[si] = 1;
+            if (j->leaf) {
+                j->final[si] = 0;
+                j->poffset[si] = ntohl(h->offset);
+                j->pflags[si] = h->flags;
+            }
         } else {
             k_add(v, p, k);
             if (h->exp > j->exp[si]) j->exp[si] = h->exp;
             j->cnt[si]++;
         }
         j->aggregated++;
-        if (j->cnt[si] == j->n) {
-            const uint8_t *out = encode_result(a, j, si);
-            for (uint32_t q = 0; q < j->n; q++) {
-                queue_result(a, h, (uint16_t)q, j->exp[si], out, 4 * (size_t)k, &j->addrs[q]);
+        if (j->cnt[si] == j->m) {
+            if (j->leaf) {
+                send_partial(a, j, slot, s, si);
+                j->upstream_sent++;
+            } else {
+                multicast(a, j, h, si);
             }
-            j->multicast++;
         }
-    } else if (j->cnt[si] == j->n) {
+    } else if (j->leaf && j->final[si]) {
         const uint8_t *out = encode_result(a, j, si);
         queue_result(a, h, (uint16_t)r, j->exp[si], out, 4 * (size_t)k, &j->addrs[r]);
         j->resent++;
+    } else if (j->cnt[si] == j->m) {
+        if (j->leaf) { /* still waiting for the spine: the partial or its result was lost */
+            send_partial(a, j, slot, s, si);
+            j->upstream_resent++;
+        } else {
+            const uint8_t *out = encode_result(a, j, si);
+            queue_result(a, h, (uint16_t)r, j->exp[si], out, 4 * (size_t)k, &j->addrs[r]);
+            j->resent++;
+        }
     } else {
         j->retrans_ignored++;
     }
@@ -367,7 +473,32 @@ static int check_open(Aggregator *self) {
     return 0;
 }
 
-static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
+/* One (ip, port) tuple; `what` names it in errors. */
+static int parse_addr(PyObject *item, const char *what, struct sockaddr_in *out) {
+    const char *ip;
+    int port;
+    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "si", &ip, &port)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be an (ip: str, port: int) tuple, got %R", what, item);
+        return -1;
+    }
+    memset(out, 0, sizeof *out);
+    out->sin_family = AF_INET;
+    if (port < 1 || port > 65535 || inet_pton(AF_INET, ip, &out->sin_addr) != 1) {
+        PyErr_Format(PyExc_ValueError, "%s = %R is not an IPv4 address with a port in 1..65535", what, item);
+        return -1;
+    }
+    out->sin_port = htons((uint16_t)port);
+    if (out->sin_addr.s_addr == htonl(INADDR_ANY)) {
+        PyErr_Format(PyExc_ValueError, "%s = %R: 0.0.0.0 is no source address; name the one it sends from", what,
+                     item);
+        return -1;
+    }
+    return 0;
+}
+
+/* addrs[r] = rank r's address; on a leaf (allow_none) None marks a rank behind another leaf. */
+static int parse_addrs(PyObject *addrs, uint32_t n, int allow_none, struct sockaddr_in *out, uint32_t *mask) {
     PyObject *seq = PySequence_Fast(addrs, "addrs must be a list of (ip, port) tuples, one per rank");
     if (seq == NULL) return -1;
     if ((uint32_t)PySequence_Fast_GET_SIZE(seq) != n) {
@@ -376,50 +507,42 @@ static int parse_addrs(PyObject *addrs, uint32_t n, struct sockaddr_in *out) {
         Py_DECREF(seq);
         return -1;
     }
+    *mask = 0;
     for (uint32_t r = 0; r < n; r++) {
-        const char *ip;
-        int port;
         PyObject *item = PySequence_Fast_GET_ITEM(seq, r);
-        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "si", &ip, &port)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "addrs[%u] must be an (ip: str, port: int) tuple, got %R", r,
-                         item);
-            Py_DECREF(seq);
-            return -1;
-        }
         memset(&out[r], 0, sizeof out[r]);
-        out[r].sin_family = AF_INET;
-        if (port < 1 || port > 65535 || inet_pton(AF_INET, ip, &out[r].sin_addr) != 1) {
-            PyErr_Format(PyExc_ValueError, "addrs[%u] = %R is not an IPv4 address with a port in 1..65535", r,
-                         item);
-            Py_DECREF(seq);
-            return -1;
-        }
-        out[r].sin_port = htons((uint16_t)port);
-        if (out[r].sin_addr.s_addr == htonl(INADDR_ANY)) {
-            PyErr_Format(PyExc_ValueError, "addrs[%u] = %R: 0.0.0.0 is no source address; name the one it sends from",
-                         r, item);
+        if (item == Py_None && allow_none) continue;
+        char what[32];
+        snprintf(what, sizeof what, "addrs[%u]", r);
+        if (parse_addr(item, what, &out[r]) < 0) {
             Py_DECREF(seq);
             return -1;
         }
         for (uint32_t q = 0; q < r; q++) {
-            if (same_addr(&out[q], &out[r])) { /* else one socket could contribute for two ranks */
+            if ((*mask >> q & 1) && same_addr(&out[q], &out[r])) { /* one socket, two ranks */
                 PyErr_Format(PyExc_ValueError, "addrs[%u] and addrs[%u] are the same address %R", q, r, item);
                 Py_DECREF(seq);
                 return -1;
             }
         }
+        *mask |= 1u << r;
+    }
+    if (*mask == 0) {
+        PyErr_SetString(PyExc_ValueError, "addrs names no rank: a leaf needs at least one local rank");
+        Py_DECREF(seq);
+        return -1;
     }
     Py_DECREF(seq);
     return 0;
 }
 
 static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs", NULL};
-    long long job_id, n, base, count, k, gen;
-    PyObject *addrs;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO", kwlist, &job_id, &n, &base, &count, &k, &gen,
-                                     &addrs))
+    static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs",
+                             "upstream", "leaf_index", NULL};
+    long long job_id, n, base, count, k, gen, leaf_index = 0;
+    PyObject *addrs, *upstream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OL", kwlist, &job_id, &n, &base, &count, &k, &gen,
+                                     &addrs, &upstream, &leaf_index))
         return NULL;
     if (check_open(self) < 0) return NULL;
     if (job_id < 0 || job_id >= NJOB_IDS)
@@ -435,6 +558,11 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     if (gen < 1 || gen > 65535)
         return PyErr_Format(PyExc_ValueError,
                             "generation must be in 1..65535 (0 means never installed), got %lld", gen);
+    if (leaf_index < 0 || leaf_index >= SA_MAX_WORKERS)
+        return PyErr_Format(PyExc_ValueError, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %lld",
+                            SA_MAX_WORKERS - 1, leaf_index);
+    if (upstream == Py_None && leaf_index != 0)
+        return PyErr_Format(PyExc_ValueError, "leaf_index is %lld but no upstream is given", leaf_index);
     struct job *j = calloc(1, sizeof *j);
     if (j == NULL) return PyErr_NoMemory();
     j->id = (uint16_t)job_id;
@@ -443,9 +571,22 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     j->base = (uint32_t)base;
     j->count = (uint32_t)count;
     j->k = (uint32_t)k;
-    if (parse_addrs(addrs, j->n, j->addrs) < 0) {
+    j->leaf = upstream != Py_None;
+    j->leaf_index = (uint16_t)leaf_index;
+    if ((j->leaf && parse_addr(upstream, "upstream", &j->upstream) < 0) ||
+        parse_addrs(addrs, j->n, j->leaf, j->addrs, &j->local_mask) < 0) {
         job_free(j);
         return NULL;
+    }
+    j->m = (uint32_t)__builtin_popcount(j->local_mask);
+    if (j->leaf) {
+        j->final = calloc(2 * (size_t)count, sizeof *j->final);
+        j->poffset = calloc(2 * (size_t)count, sizeof *j->poffset);
+        j->pflags = calloc(2 * (size_t)count, sizeof *j->pflags);
+        if (!j->final || !j->poffset || !j->pflags) {
+            job_free(j);
+            return PyErr_NoMemory();
+        }
     }
     /* calloc: zero state, slot_gen 0 never equals a valid generation */
     j->slot_gen = calloc((size_t)count, sizeof *j->slot_gen);
@@ -509,7 +650,8 @@ static int set_u64(PyObject *d, const char *key, uint64_t v) {
 
 struct job_snapshot {
     uint16_t id;
-    uint64_t c[4];
+    int leaf;
+    uint64_t c[7];
 };
 
 static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
@@ -531,6 +673,10 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
             snap[w].c[1] = j->multicast;
             snap[w].c[2] = j->resent;
             snap[w].c[3] = j->retrans_ignored;
+            snap[w].c[4] = j->upstream_sent;
+            snap[w].c[5] = j->upstream_resent;
+            snap[w].c[6] = j->stale_results;
+            snap[w].leaf = j->leaf;
             w++;
         }
     }
@@ -541,7 +687,9 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
     pthread_mutex_unlock(&self->lock);
     if (snap == NULL) return PyErr_NoMemory();
 
-    static const char *const job_names[4] = {"aggregated", "multicast", "resent", "retrans_ignored"};
+    /* protocol.JOB_COUNTERS, then protocol.LEAF_COUNTERS for a leaf's job */
+    static const char *const job_names[7] = {"aggregated", "multicast", "resent", "retrans_ignored",
+                                             "upstream",   "upstream_resent", "stale_results"};
     PyObject *res = PyDict_New(), *d = PyDict_New(), *f = PyDict_New(), *js = PyDict_New();
     if (!res || !d || !f || !js) goto fail;
     if (set_u64(res, "rx", rx) < 0 || set_u64(res, "tx", tx) < 0) goto fail;
@@ -552,7 +700,7 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
     for (size_t w = 0; w < njobs; w++) {
         PyObject *jd = PyDict_New(), *key = PyLong_FromLong(snap[w].id);
         int bad = jd == NULL || key == NULL;
-        for (int c = 0; c < 4 && !bad; c++) bad = set_u64(jd, job_names[c], snap[w].c[c]) < 0;
+        for (int c = 0; c < (snap[w].leaf ? 7 : 4) && !bad; c++) bad = set_u64(jd, job_names[c], snap[w].c[c]) < 0;
         if (!bad) bad = PyDict_SetItem(js, key, jd) < 0;
         Py_XDECREF(jd);
         Py_XDECREF(key);
@@ -692,7 +840,9 @@ static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
 
 static PyMethodDef Aggregator_methods[] = {
     {"add_job", (PyCFunction)(void (*)(void))Aggregator_add_job, METH_VARARGS | METH_KEYWORDS,
-     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs): install a job; addrs[r] = (ip, port) of rank r."},
+     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs, upstream=None, leaf_index=0): install a "
+     "job; addrs[r] = (ip, port) of rank r. With upstream = the spine's (ip, port) the job is aggregated "
+     "here as leaf leaf_index: addrs[r] is None for ranks behind other leaves."},
     {"remove_job", (PyCFunction)Aggregator_remove_job, METH_VARARGS, "remove_job(job_id): uninstall a job."},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "Counters as a dict (see docs/PROTOCOL.md)."},
     {"run", (PyCFunction)(void (*)(void))Aggregator_run, METH_VARARGS | METH_KEYWORDS,

@@ -4,16 +4,25 @@ switchagg-aggregator --port 48879 --job 7:2:0:32:8192@127.0.0.1:5000,127.0.0.1:5
 
 Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
 address and its results go only there (docs/PROTOCOL.md, Security).
+
+Two levels (docs/PROTOCOL.md, Two levels): a leaf names its local ranks and ``-`` for the others,
+and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are the leaves:
+
+switchagg-aggregator --port 6001 --job 7:4:0:32:8192@127.0.0.1:5000,127.0.0.1:5001,-,-
+    --leaf 7:0@127.0.0.1:6000
+switchagg-aggregator --port 6000 --job 7:2:0:32:8192@127.0.0.1:6001,127.0.0.1:6002
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +32,7 @@ from switchagg.protocol import (
     DEFAULT_SW_SLOTS,
     DROP_REASONS,
     JOB_COUNTERS,
+    LEAF_COUNTERS,
     POOL_SLOT_MASK,
     UDP_PORT,
 )
@@ -89,13 +99,30 @@ class SoftwareAggregator:
         slot_count: int,
         k: int,
         generation: int,
-        addrs: Sequence[tuple[str, int]],
+        addrs: Sequence[tuple[str, int] | None],
         *,
         name: str = "",
+        upstream: tuple[str, int] | None = None,
+        leaf_index: int = 0,
     ) -> None:
         """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there.
-        ``name`` only labels the job's metrics."""
-        self._agg.add_job(job_id, n, slot_base, slot_count, k, generation, list(addrs))
+        ``name`` only labels the job's metrics.
+
+        With ``upstream`` (the spine's address) the job is aggregated here as leaf ``leaf_index`` of
+        a two-level job (docs/PROTOCOL.md, Two levels): ``n`` is the job's total, ``addrs[r]`` is
+        None for the ranks behind other leaves, and partial sums go to the spine, whose RESULTs
+        are accepted from that address only. A spine is a plain job whose ranks are the leaves."""
+        self._agg.add_job(
+            job_id,
+            n,
+            slot_base,
+            slot_count,
+            k,
+            generation,
+            list(addrs),
+            upstream=upstream,
+            leaf_index=leaf_index,
+        )
         self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name)}
 
     def remove_job(self, job_id: int) -> None:
@@ -191,20 +218,23 @@ def format_counters(c: Counters) -> str:
     lines.append(f"drops: {drops}")
     faults = "  ".join(f"{name} {value}" for name, value in c["faults"].items())
     lines.append(f"faults: {faults}")
-    header = f"{'job':>6} " + " ".join(f"{name:>16}" for name in JOB_COUNTERS)
+    names = JOB_COUNTERS + LEAF_COUNTERS
+    header = f"{'job':>6} " + " ".join(f"{name:>16}" for name in names)
     lines.append(header)
     for job_id in sorted(c["jobs"]):
         row = c["jobs"][job_id]
-        lines.append(f"{job_id:>6} " + " ".join(f"{row[name]:>16}" for name in JOB_COUNTERS))
+        lines.append(f"{job_id:>6} " + " ".join(f"{row.get(name, '-'):>16}" for name in names))
     return "\n".join(lines)
 
 
-JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int]]]
+JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int] | None]]
 JOB_SYNTAX = "ID:N:BASE:COUNT:K[:GEN]@IP:PORT,IP:PORT,..."
+LEAF_SYNTAX = "JOB:INDEX@IP:PORT"
 
 
 def parse_job(spec: str) -> JobSpec:
-    """ID:N:BASE:COUNT:K[:GEN]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation, addrs)."""
+    """ID:N:BASE:COUNT:K[:GEN]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation, addrs);
+    an ADDR ``-`` (None) is a rank behind another leaf."""
     numbers, at, addr_list = spec.partition("@")
     if not at or not addr_list:
         raise argparse.ArgumentTypeError(
@@ -220,8 +250,11 @@ def parse_job(spec: str) -> JobSpec:
         raise argparse.ArgumentTypeError(f"--job {spec!r}: every field must be an integer") from None
     if len(nums) == 5:
         nums.append(1)
-    addrs = []
+    addrs: list[tuple[str, int] | None] = []
     for item in addr_list.split(","):
+        if item == "-":
+            addrs.append(None)
+            continue
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise argparse.ArgumentTypeError(f"--job {spec!r}: {item!r} is not IP:PORT")
@@ -231,6 +264,22 @@ def parse_job(spec: str) -> JobSpec:
             f"--job {spec!r}: {nums[1]} ranks but {len(addrs)} addresses (one per rank, in rank order)"
         )
     return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs)
+
+
+def _ip_port(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{what}: {text!r} is not IP:PORT")
+    return host, int(port)
+
+
+def parse_leaf(spec: str) -> tuple[int, int, tuple[str, int]]:
+    """JOB:INDEX@IP:PORT -> (job_id, leaf_index, spine address)."""
+    head, at, addr = spec.partition("@")
+    job, colon, index = head.partition(":")
+    if not at or not colon or not job.isdigit() or not index.isdigit():
+        raise argparse.ArgumentTypeError(f"--leaf {spec!r}: expected {LEAF_SYNTAX}")
+    return int(job), int(index), _ip_port(addr, f"--leaf {spec!r}")
 
 
 def _probability(text: str) -> float:
@@ -255,6 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=JOB_SYNTAX,
         help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}@127.0.0.1:5000,"
         "127.0.0.1:5001; GEN defaults to 1; rank r's packets are accepted only from the r-th address",
+    )
+    p.add_argument(
+        "--leaf",
+        action="append",
+        type=parse_leaf,
+        default=[],
+        metavar=LEAF_SYNTAX,
+        help="aggregate job JOB here as leaf INDEX of the spine at IP:PORT (repeatable); the job's "
+        "--job names its local ranks and '-' for ranks behind other leaves",
+    )
+    p.add_argument(
+        "--counters-json", type=Path, metavar="FILE", help="write the final counters as JSON on exit"
     )
     p.add_argument(
         "--drop-in", type=_probability, default=0.0, help="drop received datagrams with this probability"
@@ -312,8 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = sorted(set(names) - {job[0] for job in args.job})
         if unknown:
             raise ValueError(f"--job-name names job {unknown[0]}, which no --job installs")
+        leaves = {job: (index, spine) for job, index, spine in args.leaf}
+        unknown = sorted(set(leaves) - {job[0] for job in args.job})
+        if unknown:
+            raise ValueError(f"--leaf names jobs that no --job installs: {unknown}")
         for job in args.job:
-            agg.add_job(*job, name=names.get(job[0], ""))
+            index, spine = leaves.get(job[0], (0, None))
+            if spine is None and None in job[6]:
+                raise ValueError(
+                    f"job {job[0]} has ranks '-' (behind other leaves) but no --leaf {job[0]}:..."
+                )
+            agg.add_job(*job, name=names.get(job[0], ""), upstream=spine, leaf_index=index)
         if args.metrics_port is not None:
             metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
     except (ValueError, OSError, ImportError) as exc:
@@ -341,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     final = agg.counters()
     agg.stop()
     print("final counters:\n" + format_counters(final), flush=True)
+    if args.counters_json is not None:
+        args.counters_json.write_text(json.dumps(final))
     return 0
 
 

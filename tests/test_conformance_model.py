@@ -1,5 +1,7 @@
 """The conformance vectors against a register-level Python model of docs/PROTOCOL.md.
 
+The model also has the leaf role (docs/PROTOCOL.md, Two levels), for tests/vectors/two_level.
+
 Unlike the software aggregator, which gives every installed job fresh slot memory, the model keeps
 one pool of registers that survive job removal, as on the switch. So it checks that the vectors
 hold for switch semantics too (above all stale_generation), and, with the generation check taken
@@ -14,12 +16,21 @@ from dataclasses import dataclass, field
 import pytest
 from test_conformance_software import VECTORS
 
-from switchagg.conformance import Install, JobSpec, Remove, Send, Vector, check_counters, describe
+from switchagg.conformance import (
+    Install,
+    JobSpec,
+    Remove,
+    Send,
+    Vector,
+    check_counters,
+    describe,
+    load_vectors,
+    two_level_vector_dir,
+)
 from switchagg.protocol import (
     DROP_REASONS,
     HEADER_FORMAT,
     HEADER_LEN,
-    JOB_COUNTERS,
     MSG_DATA,
     MSG_RESULT,
     POOL_SET_BIT,
@@ -35,14 +46,21 @@ class Slot:
     count: list[int] = field(default_factory=lambda: [0, 0])
     exp: list[int] = field(default_factory=lambda: [0, 0])
     value: list[list[int]] = field(default_factory=lambda: [[], []])
+    final: list[bool] = field(default_factory=lambda: [False, False])  # leaf: the spine's result
+    offset: list[int] = field(default_factory=lambda: [0, 0])  # leaf: the partial's offset
+    flags: list[int] = field(default_factory=lambda: [0, 0])  # leaf: the partial's flags
+
+
+TWO_LEVEL = load_vectors(two_level_vector_dir())
 
 
 class SwitchModel:
     """One job table and one register pool for all jobs; endpoints stand for ingress ports."""
 
-    def __init__(self, k: int, check_generation: bool = True) -> None:
+    def __init__(self, k: int, check_generation: bool = True, resend_partial: bool = True) -> None:
         self.k = k
         self.check_generation = check_generation
+        self.resend_partial = resend_partial
         self.slots = [Slot() for _ in range(1024)]
         self.jobs: dict[int, JobSpec] = {}
         self.drops = dict.fromkeys(DROP_REASONS, 0)
@@ -50,7 +68,7 @@ class SwitchModel:
 
     def install(self, job: JobSpec) -> None:
         self.jobs[job.id] = job
-        self.counters[job.id] = dict.fromkeys(JOB_COUNTERS, 0)
+        self.counters[job.id] = dict.fromkeys(job.counter_names, 0)
 
     def remove(self, job_id: int) -> None:
         del self.jobs[job_id]
@@ -66,6 +84,8 @@ class SwitchModel:
         version, type_, flags, exp, job_id, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
         if version != VERSION:
             return self._drop("bad_version")
+        if type_ == MSG_RESULT:
+            return self._receive_result(endpoint, pkt)
         if type_ != MSG_DATA:
             return self._drop("bad_type")
         job = self.jobs.get(job_id)
@@ -73,7 +93,7 @@ class SwitchModel:
             return self._drop("unknown_job")
         if rank >= job.n:
             return self._drop("bad_rank")
-        if job.endpoints[rank] != endpoint:
+        if job.endpoints[rank] is None or job.endpoints[rank] != endpoint:
             return self._drop("spoofed")
         i, s = pool & POOL_SLOT_MASK, 1 if pool & POOL_SET_BIT else 0
         if not job.slot_base <= i < job.slot_base + job.slot_count:
@@ -84,19 +104,18 @@ class SwitchModel:
         c, slot, bit = self.counters[job_id], self.slots[i], 1 << rank
 
         def result(to_rank: int) -> tuple[int, bytes]:
-            head = struct.pack(
-                HEADER_FORMAT, version, MSG_RESULT, flags, slot.exp[s], job_id, to_rank, pool, elems, offset
-            )
-            return job.endpoints[to_rank], head + struct.pack(f"!{self.k}i", *slot.value[s])
+            return self._result(job, slot, s, to_rank, pkt)
 
+        m = sum(e is not None for e in job.endpoints)  # contributions that complete the slot here
         if self.check_generation and slot.gen != job.generation:
-            slot.gen, slot.bitmap, slot.count = job.generation, [0, 0], [0, 0]
+            slot.gen, slot.bitmap, slot.count, slot.final = job.generation, [0, 0], [0, 0], [False, False]
         if not slot.bitmap[s] & bit:
             first = slot.bitmap[s] == 0
             slot.bitmap[s] |= bit
             slot.bitmap[1 - s] &= ~bit
             if first:
                 slot.value[s], slot.exp[s], slot.count[s] = payload, exp, 1
+                slot.final[s], slot.offset[s], slot.flags[s] = False, offset, flags
             else:
                 slot.value[s] = [
                     (a + b + 2**31) % 2**32 - 2**31 for a, b in zip(slot.value[s], payload, strict=True)
@@ -104,15 +123,66 @@ class SwitchModel:
                 slot.exp[s] = max(slot.exp[s], exp)
                 slot.count[s] += 1
             c["aggregated"] += 1
-            if slot.count[s] == job.n:
+            if slot.count[s] == m and job.leaf:
+                c["upstream"] += 1
+                return [self._partial(job, slot, i, s)]
+            if slot.count[s] == m:
                 c["multicast"] += 1
                 return [result(r) for r in range(job.n)]
             return []
-        if slot.count[s] == job.n:
+        if (job.leaf and slot.final[s]) or (slot.count[s] == m and not job.leaf):
             c["resent"] += 1
             return [result(rank)]
+        if slot.count[s] == m and self.resend_partial:
+            c["upstream_resent"] += 1
+            return [self._partial(job, slot, i, s)]
         c["retrans_ignored"] += 1
         return []
+
+    def _result(self, job: JobSpec, slot: Slot, s: int, to_rank: int, pkt: bytes) -> tuple[int, bytes]:
+        """RESULT(value[s]) to a local rank; the header of ``pkt`` (the DATA or the spine's RESULT)."""
+        version, _, flags, _, job_id, _, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
+        head = struct.pack(
+            HEADER_FORMAT, version, MSG_RESULT, flags, slot.exp[s], job_id, to_rank, pool, elems, offset
+        )
+        endpoint = job.endpoints[to_rank]
+        assert endpoint is not None
+        return endpoint, head + struct.pack(f"!{self.k}i", *slot.value[s])
+
+    def _partial(self, job: JobSpec, slot: Slot, i: int, s: int) -> tuple[int, bytes]:
+        """A leaf's DATA to its spine: rank = leaf index, the stored partial, offset and flags."""
+        pool = i | (POOL_SET_BIT if s else 0)
+        head = struct.pack(
+            HEADER_FORMAT, VERSION, MSG_DATA, slot.flags[s], slot.exp[s], job.id, job.leaf_index, pool,
+            self.k, slot.offset[s],
+        )  # fmt: skip
+        assert job.upstream is not None
+        return job.upstream, head + struct.pack(f"!{self.k}i", *slot.value[s])
+
+    def _receive_result(self, endpoint: int, pkt: bytes) -> list[tuple[int, bytes]]:
+        _, _, flags, exp, job_id, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
+        job = self.jobs.get(job_id)
+        if job is None or not job.leaf:
+            return self._drop("bad_type")
+        if rank != job.leaf_index:
+            return self._drop("bad_rank")
+        if endpoint != job.upstream:
+            return self._drop("spoofed")
+        i, s = pool & POOL_SLOT_MASK, 1 if pool & POOL_SET_BIT else 0
+        if not job.slot_base <= i < job.slot_base + job.slot_count:
+            return self._drop("bad_pool")
+        if len(pkt) != HEADER_LEN + 4 * self.k or elems != self.k:
+            return self._drop("truncated")
+        slot, c = self.slots[i], self.counters[job_id]
+        m = sum(e is not None for e in job.endpoints)
+        waiting = slot.gen == job.generation and slot.count[s] == m and not slot.final[s]
+        if not waiting or offset != slot.offset[s] or flags != slot.flags[s]:
+            c["stale_results"] += 1
+            return []
+        slot.value[s] = list(struct.unpack_from(f"!{self.k}i", pkt, HEADER_LEN))
+        slot.exp[s], slot.final[s] = exp, True
+        c["multicast"] += 1
+        return [self._result(job, slot, s, r, pkt) for r, e in enumerate(job.endpoints) if e is not None]
 
 
 def run_on_model(vector: Vector, model: SwitchModel) -> None:
@@ -140,6 +210,18 @@ def run_on_model(vector: Vector, model: SwitchModel) -> None:
 @pytest.mark.parametrize("vector", VECTORS, ids=[v.name for v in VECTORS])
 def test_vector_on_switch_model(vector: Vector) -> None:
     run_on_model(vector, SwitchModel(vector.k))
+
+
+@pytest.mark.parametrize("vector", TWO_LEVEL, ids=[v.name for v in TWO_LEVEL])
+def test_two_level_vector_on_switch_model(vector: Vector) -> None:
+    run_on_model(vector, SwitchModel(vector.k))
+
+
+def test_two_level_vectors_catch_a_leaf_that_does_not_resend_its_partial() -> None:
+    """Without the re-send upstream a lost partial or spine result would hang the job."""
+    (v,) = [v for v in TWO_LEVEL if v.name == "leaf_retransmission"]
+    with pytest.raises(AssertionError, match="leaf_retransmission step 3"):
+        run_on_model(v, SwitchModel(v.k, resend_partial=False))
 
 
 def test_vectors_catch_a_missing_generation_check() -> None:

@@ -25,10 +25,12 @@ from switchagg.conformance import (
     default_vector_dir,
     describe,
     load_vectors,
+    two_level_vector_dir,
 )
 from switchagg.protocol import P4_K, P4_NUM_SLOTS
 
 VECTORS = load_vectors(default_vector_dir())
+TWO_LEVEL = load_vectors(two_level_vector_dir())  # the leaf role; the endpoint `upstream` plays the spine
 WAIT_S = 10.0  # generous: only guards against a hang
 QUIET_S = 0.2  # final check that nothing else arrives
 
@@ -40,8 +42,12 @@ def aggregator() -> Iterator[SoftwareAggregator]:
 
 
 def _install(agg: SoftwareAggregator, job: JobSpec, k: int, socks: list[socket.socket]) -> None:
-    addrs = [socks[e].getsockname() for e in job.endpoints]
-    agg.add_job(job.id, job.n, job.slot_base, job.slot_count, k, job.generation, addrs)
+    addrs = [None if e is None else socks[e].getsockname() for e in job.endpoints]
+    upstream = None if job.upstream is None else socks[job.upstream].getsockname()
+    agg.add_job(
+        job.id, job.n, job.slot_base, job.slot_count, k, job.generation, addrs,
+        upstream=upstream, leaf_index=job.leaf_index,
+    )  # fmt: skip
 
 
 def _wait_rx(agg: SoftwareAggregator, rx: int) -> None:
@@ -113,9 +119,15 @@ def test_vector(vector: Vector, aggregator: SoftwareAggregator) -> None:
     run_vector(vector, aggregator)
 
 
+@pytest.mark.parametrize("vector", TWO_LEVEL, ids=[v.name for v in TWO_LEVEL])
+def test_two_level_vector(vector: Vector, aggregator: SoftwareAggregator) -> None:
+    run_vector(vector, aggregator)
+
+
 def test_vectors_fit_the_p4_switch() -> None:
-    """The bmv2 suite runs these vectors unchanged: K = 64, n <= 4, slots inside the P4 pool."""
-    for v in VECTORS:
+    """The bmv2 suite runs these vectors unchanged: K = 64, n <= 4, slots inside the P4 pool (the
+    two-level ones too, for a P4 leaf role)."""
+    for v in VECTORS + TWO_LEVEL:
         assert v.k == P4_K, v.name
         jobs = list(v.jobs) + [s.job for s in v.steps if isinstance(s, Install)]
         for j in jobs:

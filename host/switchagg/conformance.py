@@ -4,6 +4,11 @@ The same vectors run against the software aggregator (tests/test_conformance_sof
 P4 switch on bmv2 (bmv2_tests/); docs/CONFORMANCE.md defines the format. This module only loads
 and validates them and builds the UDP payloads; how packets are sent and jobs installed is the
 runner's business.
+
+Two-level vectors (tests/vectors/two_level) test the leaf role: a job with ``upstream`` (the
+endpoint that plays the spine) and ``leaf_index``; its ``endpoints`` name the local ranks and
+null for the ranks behind other leaves. The spine role is the one-level algorithm, which the
+one-level vectors cover.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from switchagg.protocol import (
     EXP_NONE,
     HEADER_LEN,
     JOB_COUNTERS,
+    LEAF_COUNTERS,
     MAX_WORKERS,
     MSG_DATA,
     MSG_RESULT,
@@ -33,7 +39,7 @@ _ELEMS_OFFSET = 10  # byte offset of the elems field in the header (docs/PROTOCO
 INT32_MAX = 2**31 - 1
 
 _VECTOR_KEYS = {"name", "description", "k", "endpoints", "jobs", "steps", "counters"}
-_JOB_KEYS = {"id", "n", "slot_base", "slot_count", "generation", "endpoints"}
+_JOB_KEYS = {"id", "n", "slot_base", "slot_count", "generation", "endpoints", "upstream", "leaf_index"}
 _SEND_KEYS = {"from", "job", "rank", "slot", "set", "offset", "exp", "flags", "values"}
 _OVERRIDE_KEYS = {"version", "type", "elems", "truncate", "extra"}
 _EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values"}
@@ -45,17 +51,33 @@ class VectorError(ValueError):
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A job as the control plane installs it; rank r lives on endpoint ``endpoints[r]``."""
+    """A job as the control plane installs it; rank r lives on endpoint ``endpoints[r]`` (None: a
+    rank behind another leaf). A leaf's job has ``upstream``, the endpoint of its spine."""
 
     id: int
     n: int
     slot_base: int
     slot_count: int
     generation: int
-    endpoints: tuple[int, ...]
+    endpoints: tuple[int | None, ...]
+    upstream: int | None = None
+    leaf_index: int = 0
 
     def rank_of(self, endpoint: int) -> int | None:
         return self.endpoints.index(endpoint) if endpoint in self.endpoints else None
+
+    @property
+    def leaf(self) -> bool:
+        return self.upstream is not None
+
+    @property
+    def used_endpoints(self) -> list[int]:
+        local = [e for e in self.endpoints if e is not None]
+        return local + ([self.upstream] if self.upstream is not None else [])
+
+    @property
+    def counter_names(self) -> tuple[str, ...]:
+        return JOB_COUNTERS + LEAF_COUNTERS if self.leaf else JOB_COUNTERS
 
 
 @dataclass(frozen=True)
@@ -157,13 +179,24 @@ def _parse_job(obj: Any, where: str) -> JobSpec:
     base = _int(o, "slot_base", where, 0, P4_NUM_SLOTS - 1)
     count = _int(o, "slot_count", where, 1, P4_NUM_SLOTS - base)
     endpoints = o.get("endpoints", list(range(n)))
+    upstream = _int(o, "upstream", where, 0, 1023) if "upstream" in o else None
+    local = [e for e in endpoints if e is not None] if isinstance(endpoints, list) else []
     if (
         not isinstance(endpoints, list)
         or len(endpoints) != n
-        or len(set(endpoints)) != n
-        or not all(isinstance(e, int) and e >= 0 for e in endpoints)
+        or len(set(local)) != len(local)
+        or not local
+        or (upstream is None and len(local) != n)
+        or not all(isinstance(e, int) and e >= 0 for e in local)
     ):
-        raise VectorError(f"{where}: endpoints must list {n} distinct endpoint numbers, got {endpoints!r}")
+        raise VectorError(
+            f"{where}: endpoints must list {n} distinct endpoint numbers (null only for ranks behind "
+            f"other leaves, in a job with an upstream), got {endpoints!r}"
+        )
+    if upstream in local:
+        raise VectorError(f"{where}: the upstream endpoint {upstream} also holds a rank")
+    if upstream is None and "leaf_index" in o:
+        raise VectorError(f"{where}: leaf_index without an upstream")
     return JobSpec(
         id=_int(o, "id", where, 0, 0xFFFF),
         n=n,
@@ -171,6 +204,8 @@ def _parse_job(obj: Any, where: str) -> JobSpec:
         slot_count=count,
         generation=_int(o, "generation", where, 1, 0xFFFF),
         endpoints=tuple(endpoints),
+        upstream=upstream,
+        leaf_index=_int(o, "leaf_index", where, 0, MAX_WORKERS - 1, 0),
     )
 
 
@@ -179,6 +214,8 @@ def _build_send(o: Mapping[str, Any], k: int, jobs: Mapping[int, JobSpec], where
     job_id = _int(o, "job", where, 0, 0xFFFF)
     job = jobs.get(job_id)
     own_rank = job.rank_of(endpoint) if job else None
+    if job is not None and endpoint == job.upstream:
+        own_rank = job.leaf_index  # the spine addresses the leaf by its rank at the spine
     header = Header(
         job=job_id,
         rank=_int(o, "rank", where, 0, 0xFFFF, endpoint if own_rank is None else own_rank),
@@ -212,7 +249,9 @@ def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> 
     values = expand_values(o.get("values"), k, where)
     out = []
     for endpoint in to:
-        rank = job.rank_of(endpoint) if isinstance(endpoint, int) else None
+        # To the spine a leaf sends a DATA with its leaf index as the rank; to a worker a RESULT.
+        up = isinstance(endpoint, int) and endpoint == job.upstream
+        rank = job.leaf_index if up else job.rank_of(endpoint) if isinstance(endpoint, int) else None
         if rank is None:
             raise VectorError(f"{where}: endpoint {endpoint!r} holds no rank of job {job_id}")
         header = Header(
@@ -223,7 +262,7 @@ def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> 
             offset=_int(o, "offset", where, 0, 2**32 - 1, 0),
             exp=_int(o, "exp", where, -128, 127, EXP_NONE),
             flags=_int(o, "flags", where, 0, 255, 0),
-            type=MSG_RESULT,
+            type=MSG_DATA if up else MSG_RESULT,
             elems=k,
             values=values,
         )
@@ -255,7 +294,7 @@ def parse_vector(data: Any, path: Path) -> Vector:
         installed[job.id] = job
         initial.append(job)
     steps: list[Step] = []
-    max_endpoint = max((e for j in initial for e in j.endpoints), default=0)
+    max_endpoint = max((e for j in initial for e in j.used_endpoints), default=0)
     for i, obj in enumerate(top.get("steps", [])):
         w = f"{where} steps[{i}]"
         if not isinstance(obj, dict) or len(set(obj) & {"send", "install", "remove"}) != 1:
@@ -265,7 +304,7 @@ def parse_vector(data: Any, path: Path) -> Vector:
             job = _parse_job(obj["install"], w)
             _check_no_overlap(installed, job, w)
             installed[job.id] = job
-            max_endpoint = max(max_endpoint, *job.endpoints)
+            max_endpoint = max(max_endpoint, *job.used_endpoints)
             steps.append(Install(job))
         elif "remove" in obj:
             _check_keys(obj, {"remove"}, w)
@@ -289,17 +328,17 @@ def parse_vector(data: Any, path: Path) -> Vector:
     counters = _check_keys(top.get("counters", {}), {"drops", "jobs"}, where + " counters")
     drops_in = _check_keys(counters.get("drops", {}), set(DROP_REASONS), where + " counters.drops")
     drops = {r: _int(drops_in, r, where + " counters.drops", 0, 2**63, 0) for r in DROP_REASONS}
-    installs = [j.id for j in initial] + [s.job.id for s in steps if isinstance(s, Install)]
+    all_jobs = list(initial) + [s.job for s in steps if isinstance(s, Install)]
+    installs = [j.id for j in all_jobs]
     job_counters: dict[int, dict[str, int]] = {}
     for key, value in _check_keys(
         counters.get("jobs", {}), set(map(str, installed)), where + " counters.jobs"
     ).items():
-        c = _check_keys(value, set(JOB_COUNTERS), f"{where} counters.jobs.{key}")
         if installs.count(int(key)) != 1:
             raise VectorError(f"{where}: counters of job {key}, which is installed more than once")
-        job_counters[int(key)] = {
-            n: _int(c, n, f"{where} counters.jobs.{key}", 0, 2**63, 0) for n in JOB_COUNTERS
-        }
+        names = next(j for j in all_jobs if j.id == int(key)).counter_names
+        c = _check_keys(value, set(names), f"{where} counters.jobs.{key}")
+        job_counters[int(key)] = {n: _int(c, n, f"{where} counters.jobs.{key}", 0, 2**63, 0) for n in names}
     return Vector(
         name=name,
         description=str(top.get("description", "")),
@@ -339,6 +378,11 @@ def load_vectors(directory: str | Path) -> list[Vector]:
 def default_vector_dir() -> Path:
     """tests/vectors of the source tree this package is installed from (editable install)."""
     return Path(__file__).resolve().parents[2] / "tests" / "vectors"
+
+
+def two_level_vector_dir() -> Path:
+    """tests/vectors/two_level: the leaf role of docs/PROTOCOL.md, Two levels."""
+    return default_vector_dir() / "two_level"
 
 
 def describe(payload: bytes) -> str:

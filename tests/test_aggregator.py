@@ -16,8 +16,16 @@ import numpy as np
 import pytest
 
 from switchagg import _core
-from switchagg.aggregator import SoftwareAggregator, format_counters, parse_job
-from switchagg.protocol import DROP_REASONS, EXP_NONE, JOB_COUNTERS, MAX_K, MSG_RESULT, Header
+from switchagg.aggregator import SoftwareAggregator, format_counters, parse_job, parse_leaf
+from switchagg.protocol import (
+    DROP_REASONS,
+    EXP_NONE,
+    JOB_COUNTERS,
+    LEAF_COUNTERS,
+    MAX_K,
+    MSG_RESULT,
+    Header,
+)
 
 WAIT_S = 10.0  # generous; only guards against hangs
 
@@ -341,6 +349,61 @@ def test_parse_job() -> None:
         parse_job("7:2:x:32:64@127.0.0.1:1,127.0.0.1:2")
 
 
+def test_parse_leaf_and_ranks_behind_other_leaves() -> None:
+    assert parse_job("7:3:0:4:64@127.0.0.1:5000,-,10.0.0.2:6000") == (
+        7, 3, 0, 4, 64, 1, [("127.0.0.1", 5000), None, ("10.0.0.2", 6000)],
+    )  # fmt: skip
+    assert parse_leaf("7:2@10.0.0.9:48879") == (7, 2, ("10.0.0.9", 48879))
+    for bad in ("7@10.0.0.9:1", "7:x@10.0.0.9:1", "7:1", "7:1@10.0.0.9"):
+        with pytest.raises(Exception, match="--leaf"):
+            parse_leaf(bad)
+
+
+def test_add_job_leaf_parameters(agg: SoftwareAggregator) -> None:
+    spine = ("127.0.0.1", 41000)
+    with pytest.raises(ValueError, match=r"addrs\[1\] must be an \(ip: str, port: int\) tuple"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [("127.0.0.1", 40000), None])  # None needs an upstream
+    with pytest.raises(ValueError, match="no upstream"):
+        agg.add_job(1, 1, 0, 4, 8, 1, fake_addrs(1), leaf_index=1)
+    with pytest.raises(ValueError, match="at least one local rank"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [None, None], upstream=spine)
+    with pytest.raises(ValueError, match="leaf_index"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [None, ("127.0.0.1", 40000)], upstream=spine, leaf_index=32)
+    with pytest.raises(ValueError, match="upstream = .* 0.0.0.0"):
+        agg.add_job(1, 2, 0, 4, 8, 1, [None, ("127.0.0.1", 40000)], upstream=("0.0.0.0", 1))
+    agg.add_job(1, 3, 0, 4, 8, 1, [None, ("127.0.0.1", 40000), None], upstream=spine, leaf_index=2)
+    agg.add_job(2, 2, 4, 4, 8, 1, fake_addrs(2))
+    jobs = agg.counters()["jobs"]
+    assert list(jobs[1]) == list(JOB_COUNTERS + LEAF_COUNTERS)
+    assert list(jobs[2]) == list(JOB_COUNTERS)
+
+
+def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.socket]) -> None:
+    """Two leaves of two workers each and a spine, over UDP: each leaf sends one partial up, the
+    spine's RESULT reaches all four workers with their job ranks, and ends in no more packets."""
+    k = 16
+    with SoftwareAggregator() as spine, SoftwareAggregator() as leaf0, SoftwareAggregator() as leaf1:
+        addrs = [s.getsockname() for s in socks]
+        spine.add_job(5, 2, 8, 2, k, 1, [leaf0.address, leaf1.address])
+        leaf0.add_job(5, 4, 8, 2, k, 1, [addrs[0], addrs[1], None, None], upstream=spine.address)
+        leaf1.add_job(5, 4, 8, 2, k, 1, [None, None, addrs[2], addrs[3]], upstream=spine.address, leaf_index=1)
+        leaves = [leaf0, leaf0, leaf1, leaf1]
+        for r, s in enumerate(socks):
+            s.sendto(data(5, r, 9, [2**30 + r * e for e in range(k)], exp=r - 2), leaves[r].address)
+        for r, s in enumerate(socks):
+            h = Header.unpack(s.recv(65536))
+            assert (h.type, h.rank, h.slot, h.exp) == (MSG_RESULT, r, 9, 1)
+            assert h.values == [6 * e for e in range(k)]  # 4 * 2**30 wraps to 0
+        assert spine.counters()["jobs"][5]["multicast"] == 1
+        for leaf in (leaf0, leaf1):
+            assert leaf.counters()["jobs"][5] == {
+                "aggregated": 2, "multicast": 1, "resent": 0, "retrans_ignored": 0,
+                "upstream": 1, "upstream_resent": 0, "stale_results": 0,
+            }  # fmt: skip
+        ready, _, _ = select.select(socks, [], [], 0.2)
+        assert not ready
+
+
 def test_cli_help() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "switchagg.aggregator", "--help"], capture_output=True, text=True, timeout=60
@@ -360,6 +423,23 @@ def test_cli_help() -> None:
 def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", spec],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--job", "1:2:0:4:8@127.0.0.1:5000,-"], "no --leaf 1:"),
+        (["--job", "1:1:0:4:8@127.0.0.1:5000", "--leaf", "2:0@127.0.0.1:6000"], "no --job installs: [2]"),
+    ],
+)
+def test_cli_rejects_a_bad_leaf(args: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -218,7 +218,8 @@ def format_counters(c: Counters) -> str:
     lines.append(f"drops: {drops}")
     faults = "  ".join(f"{name} {value}" for name, value in c["faults"].items())
     lines.append(f"faults: {faults}")
-    names = JOB_COUNTERS + LEAF_COUNTERS
+    any_leaf = any(LEAF_COUNTERS[0] in row for row in c["jobs"].values())
+    names = JOB_COUNTERS + (LEAF_COUNTERS if any_leaf else ())
     header = f"{'job':>6} " + " ".join(f"{name:>16}" for name in names)
     lines.append(header)
     for job_id in sorted(c["jobs"]):

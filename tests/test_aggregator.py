@@ -385,8 +385,9 @@ def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.s
     with SoftwareAggregator() as spine, SoftwareAggregator() as leaf0, SoftwareAggregator() as leaf1:
         addrs = [s.getsockname() for s in socks]
         spine.add_job(5, 2, 8, 2, k, 1, [leaf0.address, leaf1.address])
-        leaf0.add_job(5, 4, 8, 2, k, 1, [addrs[0], addrs[1], None, None], upstream=spine.address)
-        leaf1.add_job(5, 4, 8, 2, k, 1, [None, None, addrs[2], addrs[3]], upstream=spine.address, leaf_index=1)
+        up = spine.address
+        leaf0.add_job(5, 4, 8, 2, k, 1, [addrs[0], addrs[1], None, None], upstream=up)
+        leaf1.add_job(5, 4, 8, 2, k, 1, [None, None, addrs[2], addrs[3]], upstream=up, leaf_index=1)
         leaves = [leaf0, leaf0, leaf1, leaf1]
         for r, s in enumerate(socks):
             s.sendto(data(5, r, 9, [2**30 + r * e for e in range(k)], exp=r - 2), leaves[r].address)

@@ -222,5 +222,13 @@ class Endpoint:
 
     def lost(self) -> int:
         """Packets the loss rules dropped so far (both directions)."""
+        return sum(self.lost_each_way())
+
+    def lost_each_way(self) -> tuple[int, int]:
+        """Packets the loss rules dropped so far: (leaving, arriving)."""
         out = sh("nft", "list table netdev saloss", ns=self.ns, check=False)
-        return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
+        counts = {
+            chain: int(n)
+            for chain, n in re.findall(r"chain (outbound|inbound) \{.*?counter packets (\d+)", out, re.S)
+        }
+        return counts.get("outbound", 0), counts.get("inbound", 0)

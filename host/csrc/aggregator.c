@@ -43,6 +43,7 @@ struct job {
     struct sockaddr_in addrs[SA_MAX_WORKERS];
     uint32_t local_mask;             /* ranks with an address here: all of them, except on a leaf */
     uint32_t m;                      /* contributions that complete a slot here: popcount(local_mask) */
+    uint32_t first_local;            /* the lowest local rank: only its resends re-send a partial */
     int leaf;                        /* a leaf of a two-level job: partials go to upstream */
     uint16_t leaf_index;             /* this leaf's rank at the spine */
     struct sockaddr_in upstream;     /* the spine; RESULTs are accepted only from it */
@@ -353,7 +354,9 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         queue_result(a, h, (uint16_t)r, j->exp[si], out, 4 * (size_t)k, &j->addrs[r]);
         j->resent++;
     } else if (j->cnt[si] == j->m) {
-        if (j->leaf) { /* still waiting for the spine: the partial or its result was lost */
+        if (j->leaf && r != j->first_local) {
+            j->retrans_ignored++; /* the m workers resend alike: re-send up once per loss, not m times */
+        } else if (j->leaf) {     /* still waiting for the spine: the partial or its result was lost */
             send_partial(a, j, slot, s, si);
             j->upstream_resent++;
         } else {
@@ -579,6 +582,7 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
         return NULL;
     }
     j->m = (uint32_t)__builtin_popcount(j->local_mask);
+    j->first_local = (uint32_t)__builtin_ctz(j->local_mask);
     if (j->leaf) {
         j->final = calloc(2 * (size_t)count, sizeof *j->final);
         j->poffset = calloc(2 * (size_t)count, sizeof *j->poffset);

@@ -107,7 +107,8 @@ class Racks:
         self.close()
 
     def _ns(self, name: str) -> None:
-        netns.add_netns(name)
+        hosts = ["127.0.0.1 localhost", f"{SPINE_IP} spine"] + [f"{w.ip} h{w.index}" for w in self.workers]
+        netns.add_netns(name, "\n".join(hosts) + "\n")  # torch looks its peers up
         self._made.append(name)
 
     def _bridge(self, ns: str, ip: str) -> None:

@@ -5,8 +5,8 @@ size], ...] seed out timeout rto, and optionally announce (print the bound addre
 and wait for a line on stdin before the first allreduce: the job is installed with that address)
 and die_after (SIGKILL itself once that many results came back, i.e. mid-allreduce).
 
-Writes ``<out>/job<J>_rank<R>.npz`` (every result and the session stats) or exits 3 with the
-error on stderr.
+Writes ``<out>/job<J>_rank<R>.npz`` (every result, the session stats and each allreduce's
+seconds) or exits 3 with the error on stderr.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> int:
     agg_ip, agg_port = cfg["aggregator"]
     bind_ip, bind_port = cfg.get("bind", ["127.0.0.1", 0])
     results: dict[str, np.ndarray] = {}
+    seconds: list[float] = []
     with Session(
         job,
         rank,
@@ -63,12 +64,15 @@ def main() -> int:
         try:
             for i, (dtype, size) in enumerate(cfg["tensors"]):
                 x = inputs(job, rank, size, dtype, cfg.get("seed", 0) + i)
+                t0 = time.perf_counter()
                 s.allreduce(x)
+                seconds.append(time.perf_counter() - t0)
                 results[f"t{i}"] = x
         except SwitchaggError as e:
             print(f"{type(e).__name__}: {e}", file=sys.stderr)
             return 3
         results["stats"] = np.array(json.dumps(s.stats()))
+        results["seconds"] = np.array(seconds)
     np.savez(result_file(Path(cfg["out"]), job, rank), **results)  # type: ignore[arg-type]
     return 0
 

@@ -103,9 +103,9 @@ def _gloo(bed: Any, size_mb: int, reps: int) -> list[float]:
     procs = []
     for w in bed.workers:
         env = {
-            **os.environ, "RANK": str(w.index), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": bed.workers[0].ip, "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": w.ifname,
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            **os.environ, "RANK": str(w.index), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": bed.workers[0].ip, "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": w.ifname, "TORCH_CPP_LOG_LEVEL": "ERROR",
         }  # fmt: skip
         procs.append(w.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
     deadline = time.monotonic() + 300 + 30 * size_mb * reps
@@ -138,7 +138,8 @@ def bench(args: argparse.Namespace) -> int:
     print(f"{args.racks} racks x {args.per_rack} workers, worker links {args.worker_mbit:g} Mbit/s, "
           f"uplinks {args.uplink_mbit:g} Mbit/s")  # fmt: skip
     print(
-        f"{'size':>6} {'two-level s':>11} {'flat s':>8} {'gloo s':>8} {'S/U s':>7} {'gloo/2lvl':>9} {'flat/2lvl':>9}"
+        f"{'size':>6} {'two-level s':>11} {'flat s':>8} {'gloo s':>8} {'S/U s':>7} "
+        f"{'gloo/2lvl':>9} {'flat/2lvl':>9}"
     )
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -153,12 +154,18 @@ def bench(args: argparse.Namespace) -> int:
             gloo_runs = _gloo(bed, size, args.reps)
             two, flat, gloo = (statistics.median(r) for r in (two_runs, flat_runs, gloo_runs))
             bound = size * MB * 8 / (args.uplink_mbit * 1e6)
-            p = {"size_mb": size, "two_level_s": two, "flat_s": flat, "gloo_s": gloo, "uplink_bound_s": bound,
-                 "ring_uplink_bound_s": 2 * (n - 1) / n * bound, "runs_two_level": two_runs, "runs_flat": flat_runs,
-                 "runs_gloo": gloo_runs, "retransmits_two_level": two_resent, "retransmits_flat": flat_resent}  # fmt: skip
+            p = {
+                "size_mb": size, "two_level_s": two, "flat_s": flat, "gloo_s": gloo, "uplink_bound_s": bound,
+                "ring_uplink_bound_s": 2 * (n - 1) / n * bound, "runs_two_level": two_runs,
+                "runs_flat": flat_runs, "runs_gloo": gloo_runs, "retransmits_two_level": two_resent,
+                "retransmits_flat": flat_resent,
+            }  # fmt: skip
             points.append(p)
-            print(f"{size:4d}MB {two:11.2f} {flat:8.2f} {gloo:8.2f} {bound:7.2f} {gloo / two:8.2f}x {flat / two:8.2f}x"
-                  f"  (resent: two-level {two_resent}, flat {flat_resent})", flush=True)  # fmt: skip
+            print(
+                f"{size:4d}MB {two:11.2f} {flat:8.2f} {gloo:8.2f} {bound:7.2f} {gloo / two:8.2f}x "
+                f"{flat / two:8.2f}x  (resent: two-level {two_resent}, flat {flat_resent})",
+                flush=True,
+            )
     result = {
         "host": {"cpus": os.cpu_count()},
         "racks": racks, "worker_mbit": args.worker_mbit, "uplink_mbit": args.uplink_mbit,

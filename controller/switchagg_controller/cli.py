@@ -1,6 +1,7 @@
 """switchagg-ctl: run the controller (job service + data plane) and inspect or steer it.
 
 switchagg-ctl serve --software --secret-file s.txt --state ctl.db --listen 127.0.0.1:50051
+switchagg-ctl serve ... --metrics-port 9400 [--metrics-host 0.0.0.0]
 switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--fallback]
 switchagg-ctl push --topology topo.yaml
 switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
@@ -153,12 +154,26 @@ def _serve(args: argparse.Namespace) -> int:
                         f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
                         file=sys.stderr,
                     )
-    server, port = make_server(manager, secret, args.listen)
+    on_join = None
+    served_metrics = ""
+    if args.metrics_port is not None:
+        try:
+            from switchagg_controller.metrics import ControllerMetrics
+        except ImportError as e:
+            raise CliError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
+        controller_metrics = ControllerMetrics(manager, fleet)
+        metrics_host, metrics_port = controller_metrics.serve(args.metrics_port, args.metrics_host)
+        on_join = controller_metrics.observe_join
+        served_metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+    server, port = make_server(manager, secret, args.listen, on_join=on_join)
     server.start()
     reaper = Reaper(manager).start()
     listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
     agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-    print(f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded", flush=True)
+    print(
+        f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
+        flush=True,
+    )
 
     done = threading.Event()
 
@@ -355,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-wait", type=float, default=30.0, help="seconds to wait for the switch at start")
     p.add_argument("--join-timeout", type=float, default=60.0, help="longest wait for a job's workers")
     p.add_argument("--reap-timeout", type=float, default=30.0, help="silence after which a job is reaped")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="metrics address (0.0.0.0: any; default %(default)s)"
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("push", help="push the P4 pipeline and the topology's L2 entries to the switch")

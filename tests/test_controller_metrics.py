@@ -13,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +51,12 @@ def metrics_address(ctl: Controller) -> tuple[str, int]:
     url = ctl.banner.split("metrics on http://")[1].split("/")[0]
     host, _, port = url.rpartition(":")
     return host, int(port)
+
+
+def ctl_json(ctl: Controller, command: str, *args: str) -> dict[str, Any]:
+    out = ctl.ctl(command, *ctl.client_args(), "--json", *args).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 def eventually(address: tuple[str, int], ok: object, what: str) -> Samples:
@@ -112,6 +119,9 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
         eventually(
             address, lambda s: value(s, "switchagg_service_jobs", state="pending") == 1, "a pending job"
         )
+        (pending,) = ctl_json(software_controller, "jobs")["jobs"]
+        assert pending["state"] == "pending" and pending["name"] == name and pending["world_size"] == n
+        assert pending["job_id"] is None and len(pending["workers"]) == 1
         procs.append(_worker(software_controller, name, n))
         joined = [_line(p) for p in procs]
         job_id, k = joined[0]["job_id"], joined[0]["k"]
@@ -140,6 +150,16 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
             assert (
                 value(now, "switchagg_packets_received_total", data_plane="software") >= round_ * n * chunks
             )
+        # The CLI's JSON says the same.
+        (listed,) = ctl_json(software_controller, "jobs")["jobs"]
+        assert listed["job_id"] == job_id and listed["state"] == "active" and listed["k"] == k
+        assert listed["slot_count"] == slots and sorted(w["rank"] for w in listed["workers"]) == [0, 1]
+        assert not any(w["left"] for w in listed["workers"])
+        (plane,) = ctl_json(software_controller, "counters")["data_planes"]
+        assert plane["data_plane"] == "software" and set(plane["drops"]) == set(protocol.DROP_REASONS)
+        counts = {"aggregated": 2 * n * chunks, "multicast": 2 * chunks, "resent": 0, "retrans_ignored": 0}
+        assert plane["jobs"] == [{"job_id": job_id, **counts}]
+        assert plane["total"]["rx"] >= 2 * n * chunks
         for p in procs:
             assert p.stdin is not None
             p.stdin.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import signal
 import sys
@@ -21,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import grpc
 
@@ -54,6 +56,10 @@ def _add_secret(p: argparse.ArgumentParser) -> None:
 def _add_client(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", default="127.0.0.1:50051", help="job service address (default %(default)s)")
     _add_secret(p)
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (one object per line) for scripts")
 
 
 def _add_p4(p: argparse.ArgumentParser) -> None:
@@ -233,6 +239,51 @@ def format_jobs(reply: jobs_pb2.ListJobsReply) -> str:
     return "\n".join(lines)
 
 
+def jobs_json(reply: jobs_pb2.ListJobsReply) -> dict[str, Any]:
+    """`jobs --json`: every key always present; job_id and the slots are null while pending."""
+    jobs = []
+    for j in reply.jobs:
+        active = j.state == "active"
+        jobs.append(
+            {
+                "name": j.name,
+                "state": j.state,
+                "data_plane": j.data_plane or None,
+                "world_size": j.world_size,
+                "job_id": j.job_id if active else None,
+                "slot_base": j.slot_base if active else None,
+                "slot_count": j.slot_count if active else None,
+                "k": j.k if active else None,
+                "generation": j.generation if active else None,
+                "workers": [
+                    {"rank": w.rank if active else None, "ip": w.ip, "udp_port": w.udp_port, "left": w.left}
+                    for w in j.workers
+                ],
+            }
+        )
+    return {"jobs": jobs}
+
+
+def counters_json(reply: jobs_pb2.CountersReply) -> dict[str, Any]:
+    """`counters --json`: per data plane, totals/drops/faults by name and per-job counters."""
+    planes: dict[str, dict[str, Any]] = {}
+    for c in reply.counters:
+        plane = planes.setdefault(
+            c.data_plane,
+            {"data_plane": c.data_plane, "total": {}, "drops": {}, "faults": {}, "jobs": {}},
+        )
+        if c.scope == "job":
+            job = plane["jobs"].setdefault(
+                c.index, {"job_id": c.index, **dict.fromkeys(protocol.JOB_COUNTERS, 0)}
+            )
+            job[c.name] = c.packets
+        elif c.scope in plane:
+            plane[c.scope][c.name] = c.packets
+    for plane in planes.values():
+        plane["jobs"] = [plane["jobs"][i] for i in sorted(plane["jobs"])]
+    return {"data_planes": list(planes.values())}
+
+
 def format_counters(reply: jobs_pb2.CountersReply) -> str:
     lines = []
     by_plane: dict[str, list[jobs_pb2.Counter]] = {}
@@ -255,10 +306,17 @@ def format_counters(reply: jobs_pb2.CountersReply) -> str:
     return "\n".join(lines) if lines else "no counters"
 
 
+def _print_json(value: object) -> None:
+    print(json.dumps(value, sort_keys=True), flush=True)  # one line: --watch gives JSON lines
+
+
 def _jobs(args: argparse.Namespace) -> int:
     reply = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=_secret(args)))
     assert isinstance(reply, jobs_pb2.ListJobsReply)
-    print(format_jobs(reply))
+    if args.json:
+        _print_json(jobs_json(reply))
+    else:
+        print(format_jobs(reply))
     return 0
 
 
@@ -275,44 +333,63 @@ def _counters(args: argparse.Namespace) -> int:
     rounds = 0
     while True:
         if args.topology:
-            text = _switch_counters(args)
+            switches = _switch_counters(args)
+            if args.json:
+                _print_json({"switches": switches})
+            else:
+                print(format_switch_counters(switches), flush=True)
         else:
             reply = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=_secret(args)))
             assert isinstance(reply, jobs_pb2.CountersReply)
-            text = format_counters(reply)
-        print(text, flush=True)
+            if args.json:
+                _print_json(counters_json(reply))
+            else:
+                print(format_counters(reply), flush=True)
         rounds += 1
         if args.watch is None or (args.count and rounds >= args.count):
             return 0
         time.sleep(args.watch)
-        print(flush=True)
+        if not args.json:
+            print(flush=True)
 
 
-def _switch_counters(args: argparse.Namespace) -> str:
-    """Counters read straight from the switches (no job service needed); indices, not job ids."""
+def _switch_counters(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Counters read straight from the switches (no job service needed): per switch, drops by
+    reason and the job counters by counter index (not job id: only the controller knows those)."""
     from switchagg_controller import p4_program
     from switchagg_controller.switch_session import SwitchSession
     from switchagg_controller.topology import load_topologies
 
     topologies = load_topologies(args.topology)
     _, p4info = _p4_artifacts(args)
-    blocks = []
+    switches = []
     for t in topologies:
         # Reads only: the running controller stays primary.
         with SwitchSession(t.switch_address, t.device_id, p4info, primary=False) as s:
             drops = s.read_counter(p4_program.DROP_COUNTER)
             per_job = {name: s.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
-        lines = [f"[{t.name}]"] if len(topologies) > 1 else []
-        lines.append(
-            "drops: "
-            + "  ".join(f"{n} {drops.get(i, (0, 0))[1]}" for i, n in enumerate(protocol.DROP_REASONS))
-        )
         indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
+        switches.append(
+            {
+                "switch": t.name,
+                "drops": {n: drops.get(i, (0, 0))[1] for i, n in enumerate(protocol.DROP_REASONS)},
+                "jobs": [
+                    {"index": i, **{n: per_job[n].get(i, (0, 0))[1] for n in protocol.JOB_COUNTERS}}
+                    for i in indices
+                ],
+            }
+        )
+    return switches
+
+
+def format_switch_counters(switches: list[dict[str, Any]]) -> str:
+    blocks = []
+    for sw in switches:
+        lines = [f"[{sw['switch']}]"] if len(switches) > 1 else []
+        lines.append("drops: " + "  ".join(f"{n} {v}" for n, v in sw["drops"].items()))
         lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
-        for i in indices:
-            lines.append(
-                f"{i:>6} " + " ".join(f"{per_job[n].get(i, (0, 0))[1]:>16}" for n in protocol.JOB_COUNTERS)
-            )
+        for job in sw["jobs"]:
+            lines.append(f"{job['index']:>6} " + " ".join(f"{job[n]:>16}" for n in protocol.JOB_COUNTERS))
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
 
@@ -385,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list jobs and their slots")
     _add_client(p)
+    _add_json(p)
     p.set_defaults(func=_jobs)
 
     p = sub.add_parser("counters", help="show the data planes' counters")
@@ -393,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_p4(p)
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
+    _add_json(p)
     p.set_defaults(func=_counters)
 
     p = sub.add_parser("teardown", help="remove a job (by name or id) and free its slots")

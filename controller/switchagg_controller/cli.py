@@ -6,6 +6,7 @@ switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--f
 switchagg-ctl push --topology topo.yaml
 switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
 switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--watch 2]
+switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--once] [--json]
 switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
 """
 
@@ -394,6 +395,39 @@ def format_switch_counters(switches: list[dict[str, Any]]) -> str:
     return "\n".join(blocks)
 
 
+def _top(args: argparse.Namespace) -> int:
+    from switchagg_controller import top
+
+    if args.interval <= 0:
+        raise CliError("--interval needs a positive number of seconds")
+    iterations = 1 if args.once else args.iterations
+    secret = _secret(args)
+
+    def read() -> top.Snapshot:
+        jobs = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=secret))
+        counters = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=secret))
+        assert isinstance(jobs, jobs_pb2.ListJobsReply) and isinstance(counters, jobs_pb2.CountersReply)
+        return top.Snapshot(time.monotonic(), jobs_json(jobs), counters_json(counters))
+
+    refresh = sys.stdout.isatty() and not args.json
+    before, shown = read(), 0
+    while not iterations or shown < iterations:
+        time.sleep(args.interval)
+        after = read()
+        v = top.view(before, after)
+        if args.json:
+            _print_json(v)
+        else:
+            title = (
+                f"switchagg-ctl top  {args.service}  every {args.interval:g} s  {time.strftime('%H:%M:%S')}"
+            )
+            print(
+                ("\x1b[H\x1b[2J" if refresh else "" if not shown else "\n") + top.render(v, title), flush=True
+            )
+        before, shown = after, shown + 1
+    return 0
+
+
 def _push(args: argparse.Namespace) -> int:
     """Pipeline and L2 state only; jobs are the running controller's business."""
     from switchagg_controller import p4_program
@@ -473,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
     _add_json(p)
     p.set_defaults(func=_counters)
+
+    p = sub.add_parser("top", help="a refreshing table of jobs, their rates, losses and slots")
+    _add_client(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between reads (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: never)")
+    p.add_argument("--once", action="store_true", help="one refresh (two reads) and exit")
+    _add_json(p)
+    p.set_defaults(func=_top)
 
     p = sub.add_parser("teardown", help="remove a job (by name or id) and free its slots")
     p.add_argument("job")

@@ -5,6 +5,7 @@ reason) where bmv2 or the built P4 program is missing."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -102,6 +103,8 @@ def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2Switch, tmp_pa
     assert "0 change(s)" in second
     counters = c.ctl("counters", "--topology", str(topo)).stdout
     assert "bad_version 0" in counters and "spoofed 0" in counters
+    (switch,) = json.loads(c.ctl("counters", "--topology", str(topo), "--json").stdout)["switches"]
+    assert switch["drops"] == dict.fromkeys(protocol.DROP_REASONS, 0) and switch["jobs"] == []
 
 
 def _join_pair(address: str, name: str, ports: tuple[int, int]) -> list[jobclient.Assignment]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -111,6 +112,15 @@ def test_heartbeat_teardown_and_counters(controller: Controller) -> None:
     assert "solo" in listing and f"{a.slot_base}..{a.slot_base + a.slot_count - 1}" in listing
     counters = controller.ctl("counters", *controller.client_args(), "--watch", "0.1", "--count", "2").stdout
     assert counters.count("[software]") == 2 and "bad_version" in counters
+    lines = controller.ctl(
+        "counters", *controller.client_args(), "--json", "--watch", "0.1", "--count", "2"
+    ).stdout.splitlines()
+    assert len(lines) == 2  # JSON lines: one object per round
+    for line in lines:
+        (plane,) = json.loads(line)["data_planes"]
+        assert plane["jobs"] == [{"job_id": a.job_id, **dict.fromkeys(protocol.JOB_COUNTERS, 0)}]
+    (listed,) = json.loads(controller.ctl("jobs", *controller.client_args(), "--json").stdout)["jobs"]
+    assert listed["workers"] == [{"rank": 0, "ip": "127.0.0.1", "udp_port": 40004, "left": False}]
     assert f"job {a.job_id}" not in controller.ctl("teardown", "solo", *controller.client_args()).stdout
     with pytest.raises(jobclient.JobServiceError, match="no job") as e:
         jobclient.heartbeat(controller.address, SECRET, a)

@@ -120,3 +120,7 @@ class SlotAllocator:
     def ranges(self, data_plane: str) -> list[tuple[int, int]]:
         with self._lock:
             return self._pools[data_plane].ranges()
+
+    def free_slots(self, data_plane: str) -> int:
+        with self._lock:
+            return self._pools[data_plane].free_slots()

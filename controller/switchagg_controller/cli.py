@@ -1,10 +1,12 @@
 """switchagg-ctl: run the controller (job service + data plane) and inspect or steer it.
 
 switchagg-ctl serve --software --secret-file s.txt --state ctl.db --listen 127.0.0.1:50051
+switchagg-ctl serve ... --metrics-port 9400 [--metrics-host 0.0.0.0]
 switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--fallback]
 switchagg-ctl push --topology topo.yaml
 switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
 switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--watch 2]
+switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--once] [--json]
 switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import signal
 import sys
@@ -20,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import grpc
 
@@ -53,6 +57,10 @@ def _add_secret(p: argparse.ArgumentParser) -> None:
 def _add_client(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", default="127.0.0.1:50051", help="job service address (default %(default)s)")
     _add_secret(p)
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (one object per line) for scripts")
 
 
 def _add_p4(p: argparse.ArgumentParser) -> None:
@@ -153,12 +161,26 @@ def _serve(args: argparse.Namespace) -> int:
                         f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
                         file=sys.stderr,
                     )
-    server, port = make_server(manager, secret, args.listen)
+    on_join = None
+    served_metrics = ""
+    if args.metrics_port is not None:
+        try:
+            from switchagg_controller.metrics import ControllerMetrics
+        except ImportError as e:
+            raise CliError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
+        controller_metrics = ControllerMetrics(manager, fleet)
+        metrics_host, metrics_port = controller_metrics.serve(args.metrics_port, args.metrics_host)
+        on_join = controller_metrics.observe_join
+        served_metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+    server, port = make_server(manager, secret, args.listen, on_join=on_join)
     server.start()
     reaper = Reaper(manager).start()
     listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
     agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-    print(f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded", flush=True)
+    print(
+        f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
+        flush=True,
+    )
 
     done = threading.Event()
 
@@ -218,6 +240,51 @@ def format_jobs(reply: jobs_pb2.ListJobsReply) -> str:
     return "\n".join(lines)
 
 
+def jobs_json(reply: jobs_pb2.ListJobsReply) -> dict[str, Any]:
+    """`jobs --json`: every key always present; job_id and the slots are null while pending."""
+    jobs = []
+    for j in reply.jobs:
+        active = j.state == "active"
+        jobs.append(
+            {
+                "name": j.name,
+                "state": j.state,
+                "data_plane": j.data_plane or None,
+                "world_size": j.world_size,
+                "job_id": j.job_id if active else None,
+                "slot_base": j.slot_base if active else None,
+                "slot_count": j.slot_count if active else None,
+                "k": j.k if active else None,
+                "generation": j.generation if active else None,
+                "workers": [
+                    {"rank": w.rank if active else None, "ip": w.ip, "udp_port": w.udp_port, "left": w.left}
+                    for w in j.workers
+                ],
+            }
+        )
+    return {"jobs": jobs}
+
+
+def counters_json(reply: jobs_pb2.CountersReply) -> dict[str, Any]:
+    """`counters --json`: per data plane, totals/drops/faults by name and per-job counters."""
+    planes: dict[str, dict[str, Any]] = {}
+    for c in reply.counters:
+        plane = planes.setdefault(
+            c.data_plane,
+            {"data_plane": c.data_plane, "total": {}, "drops": {}, "faults": {}, "jobs": {}},
+        )
+        if c.scope == "job":
+            job = plane["jobs"].setdefault(
+                c.index, {"job_id": c.index, **dict.fromkeys(protocol.JOB_COUNTERS, 0)}
+            )
+            job[c.name] = c.packets
+        elif c.scope in plane:
+            plane[c.scope][c.name] = c.packets
+    for plane in planes.values():
+        plane["jobs"] = [plane["jobs"][i] for i in sorted(plane["jobs"])]
+    return {"data_planes": list(planes.values())}
+
+
 def format_counters(reply: jobs_pb2.CountersReply) -> str:
     lines = []
     by_plane: dict[str, list[jobs_pb2.Counter]] = {}
@@ -240,10 +307,17 @@ def format_counters(reply: jobs_pb2.CountersReply) -> str:
     return "\n".join(lines) if lines else "no counters"
 
 
+def _print_json(value: object) -> None:
+    print(json.dumps(value, sort_keys=True), flush=True)  # one line: --watch gives JSON lines
+
+
 def _jobs(args: argparse.Namespace) -> int:
     reply = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=_secret(args)))
     assert isinstance(reply, jobs_pb2.ListJobsReply)
-    print(format_jobs(reply))
+    if args.json:
+        _print_json(jobs_json(reply))
+    else:
+        print(format_jobs(reply))
     return 0
 
 
@@ -260,46 +334,98 @@ def _counters(args: argparse.Namespace) -> int:
     rounds = 0
     while True:
         if args.topology:
-            text = _switch_counters(args)
+            switches = _switch_counters(args)
+            if args.json:
+                _print_json({"switches": switches})
+            else:
+                print(format_switch_counters(switches), flush=True)
         else:
             reply = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=_secret(args)))
             assert isinstance(reply, jobs_pb2.CountersReply)
-            text = format_counters(reply)
-        print(text, flush=True)
+            if args.json:
+                _print_json(counters_json(reply))
+            else:
+                print(format_counters(reply), flush=True)
         rounds += 1
         if args.watch is None or (args.count and rounds >= args.count):
             return 0
         time.sleep(args.watch)
-        print(flush=True)
+        if not args.json:
+            print(flush=True)
 
 
-def _switch_counters(args: argparse.Namespace) -> str:
-    """Counters read straight from the switches (no job service needed); indices, not job ids."""
+def _switch_counters(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Counters read straight from the switches (no job service needed): per switch, drops by
+    reason and the job counters by counter index (not job id: only the controller knows those)."""
     from switchagg_controller import p4_program
     from switchagg_controller.switch_session import SwitchSession
     from switchagg_controller.topology import load_topologies
 
     topologies = load_topologies(args.topology)
     _, p4info = _p4_artifacts(args)
-    blocks = []
+    switches = []
     for t in topologies:
         # Reads only: the running controller stays primary.
         with SwitchSession(t.switch_address, t.device_id, p4info, primary=False) as s:
             drops = s.read_counter(p4_program.DROP_COUNTER)
             per_job = {name: s.read_counter(c) for name, c in p4_program.JOB_COUNTER_NAMES.items()}
-        lines = [f"[{t.name}]"] if len(topologies) > 1 else []
-        lines.append(
-            "drops: "
-            + "  ".join(f"{n} {drops.get(i, (0, 0))[1]}" for i, n in enumerate(protocol.DROP_REASONS))
-        )
         indices = sorted({i for values in per_job.values() for i, (_, p) in values.items() if p})
+        switches.append(
+            {
+                "switch": t.name,
+                "drops": {n: drops.get(i, (0, 0))[1] for i, n in enumerate(protocol.DROP_REASONS)},
+                "jobs": [
+                    {"index": i, **{n: per_job[n].get(i, (0, 0))[1] for n in protocol.JOB_COUNTERS}}
+                    for i in indices
+                ],
+            }
+        )
+    return switches
+
+
+def format_switch_counters(switches: list[dict[str, Any]]) -> str:
+    blocks = []
+    for sw in switches:
+        lines = [f"[{sw['switch']}]"] if len(switches) > 1 else []
+        lines.append("drops: " + "  ".join(f"{n} {v}" for n, v in sw["drops"].items()))
         lines.append(f"{'index':>6} " + " ".join(f"{n:>16}" for n in protocol.JOB_COUNTERS))
-        for i in indices:
-            lines.append(
-                f"{i:>6} " + " ".join(f"{per_job[n].get(i, (0, 0))[1]:>16}" for n in protocol.JOB_COUNTERS)
-            )
+        for job in sw["jobs"]:
+            lines.append(f"{job['index']:>6} " + " ".join(f"{job[n]:>16}" for n in protocol.JOB_COUNTERS))
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from switchagg_controller import top
+
+    if args.interval <= 0:
+        raise CliError("--interval needs a positive number of seconds")
+    iterations = 1 if args.once else args.iterations
+    secret = _secret(args)
+
+    def read() -> top.Snapshot:
+        jobs = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=secret))
+        counters = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=secret))
+        assert isinstance(jobs, jobs_pb2.ListJobsReply) and isinstance(counters, jobs_pb2.CountersReply)
+        return top.Snapshot(time.monotonic(), jobs_json(jobs), counters_json(counters))
+
+    refresh = sys.stdout.isatty() and not args.json
+    before, shown = read(), 0
+    while not iterations or shown < iterations:
+        time.sleep(args.interval)
+        after = read()
+        v = top.view(before, after)
+        if args.json:
+            _print_json(v)
+        else:
+            title = (
+                f"switchagg-ctl top  {args.service}  every {args.interval:g} s  {time.strftime('%H:%M:%S')}"
+            )
+            print(
+                ("\x1b[H\x1b[2J" if refresh else "" if not shown else "\n") + top.render(v, title), flush=True
+            )
+        before, shown = after, shown + 1
+    return 0
 
 
 def _push(args: argparse.Namespace) -> int:
@@ -355,6 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-wait", type=float, default=30.0, help="seconds to wait for the switch at start")
     p.add_argument("--join-timeout", type=float, default=60.0, help="longest wait for a job's workers")
     p.add_argument("--reap-timeout", type=float, default=30.0, help="silence after which a job is reaped")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="metrics address (0.0.0.0: any; default %(default)s)"
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("push", help="push the P4 pipeline and the topology's L2 entries to the switch")
@@ -366,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list jobs and their slots")
     _add_client(p)
+    _add_json(p)
     p.set_defaults(func=_jobs)
 
     p = sub.add_parser("counters", help="show the data planes' counters")
@@ -374,7 +505,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_p4(p)
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
+    _add_json(p)
     p.set_defaults(func=_counters)
+
+    p = sub.add_parser("top", help="a refreshing table of jobs, their rates, losses and slots")
+    _add_client(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between reads (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: never)")
+    p.add_argument("--once", action="store_true", help="one refresh (two reads) and exit")
+    _add_json(p)
+    p.set_defaults(func=_top)
 
     p = sub.add_parser("teardown", help="remove a job (by name or id) and free its slots")
     p.add_argument("job")

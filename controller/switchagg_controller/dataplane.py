@@ -100,7 +100,14 @@ class SoftwareDataPlane:
                 self._installed.discard(job.job_id)
             try:
                 self.agg.add_job(
-                    job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs
+                    job.job_id,
+                    job.n,
+                    job.slot_base,
+                    job.slot_count,
+                    job.k,
+                    job.generation,
+                    addrs,
+                    name=job.name,
                 )
             except Exception as e:
                 raise DataPlaneError(f"the software aggregator refused job {job.job_id}: {e}") from e

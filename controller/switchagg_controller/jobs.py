@@ -410,8 +410,11 @@ class JobManager:
                 if plane_name is None or a.record.data_plane == plane_name
             ]
 
-    def list(self) -> list[JobView]:
-        with self._cond:
+    def list(self, timeout: float = -1) -> list[JobView]:
+        """The jobs; TimeoutError if the manager stays busy (e.g. installing) for ``timeout`` s."""
+        if not self._cond.acquire(timeout=timeout):
+            raise TimeoutError(f"the job manager stayed busy for {timeout:g} s")
+        try:
             views = [
                 JobView(
                     a.record.job.name,
@@ -436,4 +439,6 @@ class JobManager:
                 )
                 for p in self._pending.values()
             ]
-            return views
+        finally:
+            self._cond.release()
+        return views

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import NoReturn
 
@@ -16,12 +18,16 @@ from switchagg_controller.jobs import JobError, JobManager
 log = logging.getLogger("switchagg.service")
 
 
+JoinObserver = Callable[[float, str], None]  # (seconds from call to answer, outcome: "ok" or a status)
+
+
 class JobService(jobs_pb2_grpc.JobServiceServicer):
-    def __init__(self, manager: JobManager, secret: str) -> None:
+    def __init__(self, manager: JobManager, secret: str, on_join: JoinObserver | None = None) -> None:
         if not secret:
             raise ValueError("the job service needs a non-empty secret")
         self.manager = manager
         self._secret = secret.encode()
+        self._on_join = on_join
 
     def _check(self, secret: str, context: grpc.ServicerContext) -> None:
         if not hmac.compare_digest(secret.encode(), self._secret):
@@ -34,6 +40,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
 
     def Join(self, request: jobs_pb2.JoinRequest, context: grpc.ServicerContext) -> jobs_pb2.JoinReply:
         self._check(request.secret, context)
+        start = time.monotonic()
         try:
             a = self.manager.join(
                 request.job_name,
@@ -45,7 +52,9 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 alive=context.is_active,
             )
         except JobError as e:
+            self._observe_join(start, e.code.name.lower())
             self._fail(e, context)
+        self._observe_join(start, "ok")
         log.info("job %s: rank %d joined from %s:%d", request.job_name, a.rank, request.ip, request.udp_port)
         return jobs_pb2.JoinReply(
             data_plane=a.data_plane,
@@ -59,6 +68,10 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             k=a.k,
             generation=a.generation,
         )
+
+    def _observe_join(self, start: float, outcome: str) -> None:
+        if self._on_join is not None:
+            self._on_join(time.monotonic() - start, outcome)
 
     def Leave(self, request: jobs_pb2.LeaveRequest, context: grpc.ServicerContext) -> jobs_pb2.LeaveReply:
         self._check(request.secret, context)
@@ -154,14 +167,18 @@ class Reaper:
 
 
 def make_server(
-    manager: JobManager, secret: str, address: str, max_workers: int = 128
+    manager: JobManager,
+    secret: str,
+    address: str,
+    max_workers: int = 128,
+    on_join: JoinObserver | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started-ready server bound to ``address`` ("127.0.0.1:0" picks a port); returns it and the port.
 
     Every waiting Join holds a thread, so ``max_workers`` bounds the workers joining at once.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jobservice"))
-    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(manager, secret), server)
+    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(manager, secret, on_join), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")

@@ -35,6 +35,8 @@ from switchagg_controller.p4rt import P4RuntimeError
 
 log = logging.getLogger("switchagg.supervisor")
 
+Counters = dict[str, dict[int, tuple[int, int]]]  # counter array name -> index -> (bytes, packets)
+
 
 class SwitchUnavailable(P4RuntimeError):
     """The switch is not connected (or not programmed) right now; the supervisor keeps trying."""
@@ -175,6 +177,10 @@ class SwitchSupervisor:
             raise self._unavailable()
         return await p4rt.read_counter(self.switch, name)
 
+    async def _read_counters(self, names: list[str]) -> Counters:
+        values = await asyncio.gather(*(self._read_counter(n) for n in names))
+        return dict(zip(names, values, strict=True))
+
     def _unavailable(self) -> SwitchUnavailable:
         return SwitchUnavailable(f"the switch {self.name} at {self.address} is not ready ({self.last_error})")
 
@@ -224,6 +230,22 @@ class SwitchFleet:
             return all(await asyncio.gather(*(s._wait_ready(timeout) for s in self.supervisors)))
 
         return self.loop.call(_all(), timeout + 30.0)
+
+    def read_counters(self, names: list[str], timeout: float) -> dict[str, Counters | Exception]:
+        """Every switch's counter arrays ``names``, the switches read in parallel; a switch that is
+        away, or slower than ``timeout``, gives its error instead (metrics must not hang on it)."""
+
+        async def one(s: SwitchSupervisor) -> Counters | Exception:
+            try:
+                return await asyncio.wait_for(s._read_counters(names), timeout)
+            except Exception as e:
+                return e
+
+        async def _all() -> dict[str, Counters | Exception]:
+            results = await asyncio.gather(*(one(s) for s in self.supervisors))
+            return {s.name: r for s, r in zip(self.supervisors, results, strict=True)}
+
+        return self.loop.call(_all(), timeout + 5.0)
 
     def stop(self) -> None:
         async def _stop() -> None:

@@ -1,0 +1,128 @@
+"""`switchagg-ctl top` against a real job on the controller's software aggregator: the rates of
+two reads around a known number of allreduces are exact; the real command, run while workers
+allreduce in a loop, shows the job moving, in 80 columns and as JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client (pip install .[metrics])")
+pytest.importorskip("finsy", reason="the controller needs its extra (pip install .[controller])")
+
+import test_controller_metrics as m  # noqa: E402
+from controller_support import SECRET, Controller  # noqa: E402
+
+from switchagg import protocol  # noqa: E402
+from switchagg_controller import allocation, top  # noqa: E402
+
+software_controller = m.software_controller  # the fixture
+WAIT_S = 60.0
+
+# Allreduces until the stop file exists (bounded: 100000 allreduces or 120 s), then leaves. The
+# ranks agree on the last round through the sum itself, so none waits for a peer that left.
+LOOPING_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import numpy as np
+    from switchagg import Session
+    service, secret, name = sys.argv[1:4]
+    n, stop = int(sys.argv[4]), Path(sys.argv[5])
+    deadline = time.monotonic() + 120
+    with Session.from_job_service(service, secret, name, n, join_timeout=60.0) as s:
+        for _ in range(100_000):
+            x = np.ones(5000, dtype=np.int32)
+            x[0] = int(stop.exists() or time.monotonic() > deadline)
+            s.allreduce(x)
+            if x[0]:
+                break
+    """
+)
+
+
+def _snapshot(ctl: Controller) -> top.Snapshot:
+    return top.Snapshot(time.monotonic(), m.ctl_json(ctl, "jobs"), m.ctl_json(ctl, "counters"))
+
+
+def test_rates_of_two_reads_around_known_allreduces_are_exact(software_controller: Controller) -> None:
+    n, name, rounds = 2, "top-exact", 3
+    procs = [m._worker(software_controller, name, n) for _ in range(n)]
+    try:
+        k = [m._line(p) for p in procs][0]["k"]
+        chunks = -(-m.LENGTH // k)
+        before = _snapshot(software_controller)
+        for _ in range(rounds):
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            [m._line(p) for p in procs]
+        after = _snapshot(software_controller)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=WAIT_S)
+    v = top.view(before, after)
+    (job,) = v["jobs"]
+    dt = v["interval_s"]
+    assert job["name"] == name and job["state"] == "active" and job["data_plane"] == "software"
+    assert job["contributions_per_s"] * dt == pytest.approx(rounds * n * chunks)
+    assert job["results_per_s"] * dt == pytest.approx(rounds * chunks)
+    assert job["resent_per_s"] == 0 and job["retrans_ignored_per_s"] == 0
+    packet_bits = (protocol.HEADER_LEN + 4 * k) * 8
+    assert job["gbit_per_s"] * dt == pytest.approx(rounds * n * chunks * packet_bits / 1e9)
+    (plane,) = v["data_planes"]
+    assert plane["slots_allocated"] == protocol.DEFAULT_SW_SLOTS
+    assert plane["slots_pool"] == allocation.SW_POOL_SLOTS
+    assert plane["drops_per_s"] == 0 and plane["jobs"] == 1
+    text = top.render(v, "title")
+    assert all(len(line) <= top.WIDTH for line in text.splitlines())
+    assert name in text and f"{protocol.DEFAULT_SW_SLOTS}/{allocation.SW_POOL_SLOTS}" in text
+
+
+def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path) -> None:
+    n, name, stop = 2, "top-live", tmp_path / "stop"
+    cmd = [sys.executable, "-c", LOOPING_WORKER, software_controller.address, SECRET, name, str(n), str(stop)]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    try:
+        m.eventually(
+            m.metrics_address(software_controller),
+            lambda s: any(
+                metric == "switchagg_job_aggregated_total" and ("job", name) in labels and v > 0
+                for (metric, labels), v in s.items()
+            ),
+            "the job runs",
+        )
+        out = software_controller.ctl(
+            "top", *software_controller.client_args(), "--json", "--iterations", "2", "--interval", "0.5"
+        ).stdout.splitlines()
+        assert len(out) == 2
+        frames = [json.loads(line) for line in out]
+        rows = [next(j for j in f["jobs"] if j["name"] == name) for f in frames]
+        assert all(r["contributions_per_s"] >= 0 and r["data_plane"] == "software" for r in rows)
+        assert sum(r["contributions_per_s"] for r in rows) > 0  # the workers never stop meanwhile
+
+        text = software_controller.ctl(
+            "top", *software_controller.client_args(), "--once", "--interval", "0.5"
+        )
+        lines = text.stdout.splitlines()
+        assert lines[0].startswith("switchagg-ctl top") and "contrib/s" in lines[1]
+        assert all(len(line) <= top.WIDTH for line in lines), text.stdout
+        row = next(line for line in lines if name in line)
+        assert row.split()[2] == "software" and row.split()[3] == str(n)
+        assert any(line.startswith("software") and "16/32768" in line for line in lines)
+    finally:
+        stop.touch()
+        for p in procs:
+            try:
+                assert p.wait(WAIT_S) == 0, p.communicate()[1]
+            finally:
+                if p.poll() is None:
+                    p.kill()

@@ -60,6 +60,22 @@ def make_model(hidden: int) -> torch.nn.Module:
     )
 
 
+def data_plane(backend: str, state: satorch.SwitchaggHookState | None) -> str:
+    """Where this rank's gradients were summed: the job service's answer (p4 or software)."""
+    if backend == "gloo":
+        return "gloo ring"
+    if state is not None:
+        plane = state.plane
+    else:
+        group = dist.group.WORLD
+        assert isinstance(group, satorch.ProcessGroupSwitchagg)
+        plane = group.data_plane
+    if plane is None:
+        return "closed"
+    session = plane.session
+    return f"{session.data_plane} (job {session.job})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     dist.init_process_group("switchagg" if args.backend == "switchagg" else "gloo")
@@ -109,6 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"test accuracy {100 * accuracy:6.2f}%  step {record['step_ms']:.2f} ms",
                 flush=True,
             )
+    # Every rank reports, so that a launcher with one log per rank (docker/) shows each outcome.
+    last = history[-1]
+    print(
+        f"[{args.backend}] rank {rank}/{world} final: loss {last['loss']:.4f}  "
+        f"test accuracy {100 * last['accuracy']:.2f}%  data plane {data_plane(args.backend, state)}",
+        flush=True,
+    )
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"backend": args.backend, "world_size": world, "history": history}, f)

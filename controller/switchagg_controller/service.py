@@ -55,7 +55,11 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             self._observe_join(start, e.code.name.lower())
             self._fail(e, context)
         self._observe_join(start, "ok")
-        log.info("job %s: rank %d joined from %s:%d", request.job_name, a.rank, request.ip, request.udp_port)
+        log.info(
+            "job %s: rank %d joined from %s:%d; job %d on the %s data plane (%s:%d, slots %d+%d, K=%d)",
+            request.job_name, a.rank, request.ip, request.udp_port, a.job_id, a.data_plane,
+            a.aggregator_ip, a.aggregator_port, a.slot_base, a.slot_count, a.k,
+        )  # fmt: skip
         return jobs_pb2.JoinReply(
             data_plane=a.data_plane,
             aggregator_ip=a.aggregator_ip,

@@ -1,0 +1,89 @@
+#!/bin/sh
+# The entry point of every container on the rack: it turns the interfaces Docker gave the container
+# into rack ports, then execs the command. Each data network "rack<p>" (subnet 10.77.<p>.0/24) is
+# one cable from switch port p to one worker; Docker's address on it only tells which cable an
+# interface is, and is removed, so that the cable carries nothing but rack traffic (10.201.0.0/24,
+# as in host/switchagg/testbed/topology.py).
+#
+#   rack-entry.sh worker PORT CMD...      the cable of port PORT gets 02:5a:00:00:00:PORT and
+#                                         10.201.0.PORT/24, checksum offload off; GLOO_SOCKET_IFNAME
+#   rack-entry.sh soft-switch N CMD...    a Linux bridge over the N cables holds the aggregator
+#                                         address 10.201.0.254 (the software aggregator's)
+#   rack-entry.sh bmv2-switch N CMD...    the N cables stay bare; CMD gets "-i p@ifname" per port
+#                                         (before its first "--")
+set -eu
+
+role=$1
+count=$2
+shift 2
+
+# The interface whose Docker address is in 10.77.<port>.0/24.
+cable() {
+  ip -o -4 addr show | awk -v net="10.77.$1." 'index($4, net) == 1 { print $2; exit }'
+}
+
+bare() {  # $1: the interface; no Docker address, no checksum offload (bmv2 needs finished checksums)
+  ip addr flush dev "$1"
+  ethtool -K "$1" tx off rx off sg off >/dev/null 2>&1 || true
+}
+
+case $role in
+worker)
+  ifname=$(cable "$count")
+  [ -n "$ifname" ] || { echo "rack-entry: no interface in 10.77.$count.0/24" >&2; exit 1; }
+  bare "$ifname"
+  ip link set dev "$ifname" address "$(printf '02:5a:00:00:00:%02x' "$count")"
+  ip addr add "10.201.0.$count/24" dev "$ifname"
+  export GLOO_SOCKET_IFNAME="$ifname"
+  echo "rack-entry: worker on switch port $count: $ifname 10.201.0.$count"
+  exec "$@"
+  ;;
+soft-switch)
+  ip link add br0 type bridge
+  ip link set br0 address 02:5a:00:00:00:fe up
+  ip addr add 10.201.0.254/24 dev br0
+  port=1
+  while [ "$port" -le "$count" ]; do
+    ifname=$(cable "$port")
+    [ -n "$ifname" ] || { echo "rack-entry: no interface for port $port" >&2; exit 1; }
+    bare "$ifname"
+    ip link set dev "$ifname" master br0
+    echo "rack-entry: switch port $port = $ifname (bridge br0)"
+    port=$((port + 1))
+  done
+  exec "$@"
+  ;;
+bmv2-switch)
+  ports=""
+  port=1
+  while [ "$port" -le "$count" ]; do
+    ifname=$(cable "$port")
+    [ -n "$ifname" ] || { echo "rack-entry: no interface for port $port" >&2; exit 1; }
+    bare "$ifname"
+    ports="$ports -i $port@$ifname"
+    echo "rack-entry: switch port $port = $ifname (bmv2)"
+    port=$((port + 1))
+  done
+  # The port options go before the first "--" (what follows it is for the target, e.g. gRPC).
+  n=$#
+  inserted=""
+  while [ "$n" -gt 0 ]; do
+    arg=$1
+    shift
+    if [ "$arg" = "--" ] && [ -z "$inserted" ]; then
+      # shellcheck disable=SC2086  # one word per option
+      set -- "$@" $ports
+      inserted=yes
+    fi
+    set -- "$@" "$arg"
+    n=$((n - 1))
+  done
+  # shellcheck disable=SC2086
+  [ -n "$inserted" ] || set -- "$@" $ports
+  exec "$@"
+  ;;
+*)
+  echo "rack-entry: unknown role $role" >&2
+  exit 2
+  ;;
+esac

@@ -55,6 +55,9 @@ JOB_SERVICE_PORT = 50051
 P4RUNTIME_PORT = 9559
 MASTER_PORT = 29500
 DEFAULT_SECRET = "switchagg-docker-testbed"  # internal networks only; override with SWITCHAGG_SECRET
+# train_digits.py's options: bmv2 forwards a few thousand packets a second, so its run trains a
+# narrower model (1.5k parameters, 24 packets per rank and step) than the soft one (26k).
+TRAIN_ARGS = {"soft": "", "bmv2": "--hidden 16"}
 RULE_TAG = "switchagg-docker"  # the comment on every host firewall rule `up` adds
 
 
@@ -155,17 +158,18 @@ def compose(variant: str, n: int) -> dict[str, Any]:
         }
     for rank in range(n):
         port = rank + 1
-        train = [
-            "torchrun", "--nnodes", str(n), "--node-rank", str(rank), "--nproc-per-node", "1",
-            "--master-addr", rack_ip(1), "--master-port", str(MASTER_PORT),
-            "examples/train_digits.py", "--backend", "${TRAIN_BACKEND:-switchagg}",
-        ]  # fmt: skip
+        train = (
+            f"exec torchrun --nnodes {n} --node-rank {rank} --nproc-per-node 1 --master-addr {rack_ip(1)}"
+            f' --master-port {MASTER_PORT} examples/train_digits.py --backend "$$TRAIN_BACKEND" $$TRAIN_ARGS'
+        )
         services[f"worker{rank}"] = {
             "image": WORKER_IMAGE,
-            "command": ["worker", str(port), *train],
+            "command": ["worker", str(port), "sh", "-c", train],
             "cap_add": ["NET_ADMIN"],
             "environment": {
                 **secret,
+                "TRAIN_BACKEND": "${TRAIN_BACKEND:-switchagg}",
+                "TRAIN_ARGS": f"${{TRAIN_ARGS:-{TRAIN_ARGS[variant]}}}",
                 "SWITCHAGG_JOB_SERVICE": f"{service_host}:{JOB_SERVICE_PORT}",
                 "SWITCHAGG_WORKER_BIND": rack_ip(port),
                 "OMP_NUM_THREADS": "1",
@@ -380,9 +384,11 @@ def remove_rules(project: str | None) -> int:
     return removed
 
 
-def up(project: str, variant: str, n: int, backend: str = "switchagg") -> None:
+def up(project: str, variant: str, n: int, backend: str = "switchagg", train_args: str | None = None) -> None:
     write_project(project, variant, n)
     env = {**os.environ, "TRAIN_BACKEND": backend}
+    if train_args is not None:
+        env["TRAIN_ARGS"] = train_args
     # Networks first, so the host rules are in place before any worker sends.
     sh(*compose_cmd(project, "up", "--no-start", "--no-build"), env=env, stdout=subprocess.DEVNULL)
     remove_rules(project)
@@ -441,8 +447,8 @@ def down(project: str) -> None:
     shutil.rmtree(project_dir(project), ignore_errors=True)
 
 
-def run(project: str, variant: str, n: int, backend: str, timeout: float) -> int:
-    up(project, variant, n, backend)
+def run(project: str, variant: str, n: int, backend: str, timeout: float, train_args: str | None = None) -> int:
+    up(project, variant, n, backend, train_args)
     try:
         codes = wait(project, timeout)
         print(logs(project))
@@ -467,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.add_argument("-n", type=int, default=4, help="workers (default %(default)s)")
         if name in ("up", "run"):
             c.add_argument("--backend", choices=BACKENDS, default="switchagg", help="what the workers train with")
+            c.add_argument("--train-args", help="train_digits.py options (default: the variant's, see TRAIN_ARGS)")
         if name in ("images", "run"):
             c.add_argument("--p4-image", help=f"bmv2 image (default: $P4_IMAGE, {LOCAL_P4_IMAGE}, {P4_IMAGE_DEFAULT})")
         if name in ("run", "wait"):
@@ -477,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "images":
         build_images(args.variant, args.p4_image)
     elif args.cmd == "up":
-        up(args.project, args.variant, args.n, args.backend)
+        up(args.project, args.variant, args.n, args.backend, args.train_args)
     elif args.cmd == "wait":
         codes = wait(args.project, args.timeout)
         print(f"exit codes (rank order): {codes}")
@@ -488,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         down(args.project)
     else:
         build_images(args.variant, args.p4_image)
-        return run(args.project, args.variant, args.n, args.backend, args.timeout)
+        return run(args.project, args.variant, args.n, args.backend, args.timeout, args.train_args)
     return 0
 
 

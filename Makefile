@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test install install-dev lint bench bench-testbed p4
+.PHONY: demo test install install-dev lint bench bench-testbed p4 docker-images docker-up docker-logs docker-down docker-run docker-files
 
 install:
 	$(PIP) -e .
@@ -19,7 +19,7 @@ test: install-dev
 	$(PY) -m pytest
 
 lint:
-	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests tools
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy host controller bench examples tests bmv2_tests tools docker
 
 bench: install-dev
 	$(PY) bench/bench_allreduce.py
@@ -30,3 +30,29 @@ bench-testbed: install-dev
 
 p4:
 	$(MAKE) -C p4
+
+# The docker-compose testbed (docs/DOCKER.md): VARIANT=soft|bmv2, N workers, root, a Docker engine.
+# Images stay as a cache after docker-down; everything else (containers, networks, rules) goes.
+VARIANT ?= soft
+N ?= 4
+PROJECT ?= switchagg
+DOCKER_TESTBED = $(PY) docker/testbed.py
+
+docker-images:
+	$(DOCKER_TESTBED) images --variant $(VARIANT)
+
+docker-up: docker-images
+	$(DOCKER_TESTBED) up -p $(PROJECT) --variant $(VARIANT) -n $(N)
+
+docker-logs:
+	$(DOCKER_TESTBED) logs -p $(PROJECT)
+
+docker-down:
+	$(DOCKER_TESTBED) down -p $(PROJECT)
+
+# One training run: up, every worker's exit code and log, down.
+docker-run: docker-images
+	$(DOCKER_TESTBED) run -p $(PROJECT) --variant $(VARIANT) -n $(N)
+
+docker-files:
+	$(DOCKER_TESTBED) files

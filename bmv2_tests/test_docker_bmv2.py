@@ -11,6 +11,8 @@ import pytest
 from docker_testbed import check_training, load_testbed, skip_reason  # tests/, on the path (conftest)
 
 
+# A cold run builds the images first (base, controller, worker: ~3 min here).
+@pytest.mark.timeout(2400)
 def test_the_bmv2_variant_trains_through_the_p4_switch() -> None:
     reason = skip_reason()
     if reason:

@@ -37,6 +37,8 @@ def test_the_generated_topology_is_valid_for_the_controller() -> None:
     ]
 
 
+# A cold run builds the images first (base, controller, worker: ~3 min here).
+@pytest.mark.timeout(2400)
 def test_the_soft_variant_trains_through_the_switch_container() -> None:
     reason = skip_reason()
     if reason:

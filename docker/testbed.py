@@ -521,8 +521,8 @@ def down(project: str) -> None:
 def run(
     project: str, variant: str, n: int, backend: str, timeout: float, train_args: str | None = None
 ) -> int:
-    up(project, variant, n, backend, train_args)
     try:
+        up(project, variant, n, backend, train_args)
         codes = wait(project, timeout)
         print(logs(project))
         print(f"exit codes (rank order): {codes}")

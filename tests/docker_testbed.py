@@ -59,8 +59,8 @@ class Run:
 def train(variant: str, n: int, backend: str, project: str) -> Run:
     """One compose run (images must exist); always brought down."""
     tb = load_testbed()
-    tb.up(project, variant, n, backend)
     try:
+        tb.up(project, variant, n, backend)
         codes = tb.wait(project, timeout=900)
         logs = tb.logs(project)
     finally:

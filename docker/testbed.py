@@ -455,7 +455,14 @@ def remove_rules(project: str | None) -> int:
     return removed
 
 
-def up(project: str, variant: str, n: int, backend: str = "switchagg", train_args: str | None = None) -> None:
+def up(
+    project: str,
+    variant: str,
+    n: int,
+    backend: str = "switchagg",
+    train_args: str | None = None,
+    start: bool = True,
+) -> None:
     write_project(project, variant, n)
     env = {**os.environ, "TRAIN_BACKEND": backend}
     if train_args is not None:
@@ -464,7 +471,8 @@ def up(project: str, variant: str, n: int, backend: str = "switchagg", train_arg
     sh(*compose_cmd(project, "up", "--no-start", "--no-build"), env=env, stdout=subprocess.DEVNULL)
     remove_rules(project)
     allow_bridged(project)
-    sh(*compose_cmd(project, "up", "-d", "--no-build"), env=env, stdout=subprocess.DEVNULL)
+    if start:
+        sh(*compose_cmd(project, "up", "-d", "--no-build"), env=env, stdout=subprocess.DEVNULL)
 
 
 def workers(project: str) -> list[str]:
@@ -571,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "images":
         build_images(args.variant, args.p4_image)
     elif args.cmd == "up":
-        up(args.project, args.variant, args.n, args.backend, args.train_args)
+        up(args.project, args.variant, args.n, args.backend, args.train_args, start=not args.no_start)
     elif args.cmd == "wait":
         codes = wait(args.project, args.timeout)
         print(f"exit codes (rank order): {codes}")

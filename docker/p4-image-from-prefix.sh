@@ -44,6 +44,7 @@ echo "system packages: $packages"
 
 cat >"$ctx/Dockerfile" <<DOCKERFILE
 FROM $base
+LABEL org.switchagg.testbed=1
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq \\
  && apt-get install -y -qq --no-install-recommends $packages python3 python3-thrift python3-six >/dev/null \\

@@ -48,6 +48,7 @@ BMV2_SWITCH_IMAGE = "switchagg-bmv2-switch:dev"
 P4RT_SHELL_IMAGE = "switchagg-p4rt-shell:dev"
 P4_IMAGE_DEFAULT = "p4lang/behavioral-model:latest"
 LOCAL_P4_IMAGE = "switchagg-p4:local"  # what docker/p4-image-from-prefix.sh makes
+IMAGE_LABEL = "org.switchagg.testbed=1"  # on every image built here (the Dockerfiles)
 
 # Addresses: the rack is host/switchagg/testbed/topology.py's; Docker's own subnets only cable it.
 RACK_SUBNET = "10.201.0."
@@ -375,6 +376,8 @@ def build_images(variant: str, p4_image: str | None = None) -> None:
             str(DOCKER_DIR),
             stdout=subprocess.DEVNULL,
         )
+    # A rebuild leaves the previous images untagged: drop those (tagged images stay, as the cache).
+    sh("docker", "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}", stdout=subprocess.DEVNULL)
 
 
 def default_p4_image() -> str:

@@ -23,7 +23,8 @@ WORKER = textwrap.dedent(
     service, secret, name = sys.argv[1:4]
     n, length, seed = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
     rank = None if sys.argv[7] == "-" else int(sys.argv[7])
-    with Session.from_job_service(service, secret, name, n, rank=rank, join_timeout=60.0) as s:
+    bind = (sys.argv[8] if len(sys.argv) > 8 else "127.0.0.1", 0)
+    with Session.from_job_service(service, secret, name, n, rank=rank, bind=bind, join_timeout=60.0) as s:
         a = s.assignment
         x = (np.arange(length, dtype=np.int64) * (seed + 1) + a.rank * 7 - 3).astype(np.int32)
         s.allreduce(x)
@@ -104,8 +105,11 @@ def start_workers(
     length: int,
     seed: int = 0,
     ranks: list[int | None] | None = None,
+    bind_ips: list[str] | None = None,
 ) -> list[subprocess.Popen[str]]:
+    """``bind_ips``: each worker's own address (default 127.0.0.1 for all)."""
     ranks = ranks or [None] * n
+    ips = bind_ips or ["127.0.0.1"] * len(ranks)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return [
         subprocess.Popen(
@@ -120,13 +124,14 @@ def start_workers(
                 str(length),
                 str(seed),
                 "-" if r is None else str(r),
+                ip,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )  # fmt: skip
-        for r in ranks
+        for r, ip in zip(ranks, ips, strict=True)
     ]
 
 

@@ -14,6 +14,7 @@ from switchagg import protocol
 
 P4 = "p4"
 SOFTWARE = "software"
+TWO_LEVEL = "two-level"  # software leaves behind a software spine (hierarchy.py)
 SW_POOL_SLOTS = protocol.POOL_SLOT_MASK + 1  # 32768: the pool field's 15 bits
 
 
@@ -23,9 +24,14 @@ class AllocationError(Exception):
 
 @dataclass(frozen=True)
 class Placement:
-    data_plane: str  # P4 or SOFTWARE
+    data_plane: str  # P4, SOFTWARE or TWO_LEVEL
     slot_base: int
     slot_count: int
+    pools: tuple[str, ...] = ()  # the pools the range is taken from on all; () means (data_plane,)
+
+    @property
+    def pool_keys(self) -> tuple[str, ...]:
+        return self.pools or (self.data_plane,)
 
 
 class SlotPool:
@@ -39,10 +45,18 @@ class SlotPool:
         self._used: dict[int, int] = {}  # base -> count
 
     def allocate(self, count: int) -> int:
+        base = self.first_fit(count)
+        self._used[base] = count
+        return base
+
+    def first_fit(self, count: int, start: int = 0) -> int:
+        """The lowest base >= ``start`` of a free range of ``count`` slots (nothing is taken)."""
         if not 1 <= count <= self.size:
             raise AllocationError(f"{self.name}: a job needs 1..{self.size} slots, not {count}")
-        base = 0
+        base = start
         for used_base, used_count in sorted(self._used.items()):
+            if used_base + used_count <= base:
+                continue
             if used_base - base >= count:
                 break
             base = max(base, used_base + used_count)
@@ -50,7 +64,6 @@ class SlotPool:
             raise AllocationError(
                 f"{self.name}: no free range of {count} slots ({self.free_slots()} of {self.size} free)"
             )
-        self._used[base] = count
         return base
 
     def reserve(self, base: int, count: int) -> None:
@@ -76,8 +89,14 @@ class SlotPool:
 class SlotAllocator:
     """The pools of the data planes this controller runs; thread-safe."""
 
-    def __init__(self, p4_slots: int | None = protocol.P4_NUM_SLOTS, sw_slots: int | None = SW_POOL_SLOTS):
-        self._pools: dict[str, SlotPool] = {}
+    def __init__(
+        self,
+        p4_slots: int | None = protocol.P4_NUM_SLOTS,
+        sw_slots: int | None = SW_POOL_SLOTS,
+        pools: dict[str, int] | None = None,
+    ):
+        """``pools``: more pools by key (e.g. one per software leaf and spine) -> size."""
+        self._pools: dict[str, SlotPool] = {k: SlotPool(k, size) for k, size in (pools or {}).items()}
         if p4_slots:
             self._pools[P4] = SlotPool("P4 switch pool", p4_slots)
         if sw_slots:
@@ -88,6 +107,31 @@ class SlotAllocator:
 
     def has(self, data_plane: str) -> bool:
         return data_plane in self._pools
+
+    def add_pool(self, key: str, size: int) -> None:
+        """A pool of its own (e.g. one per software leaf and spine of a two-level data plane)."""
+        with self._lock:
+            if key in self._pools:
+                raise ValueError(f"pool {key!r} exists already")
+            self._pools[key] = SlotPool(key, size)
+
+    def place_on_all(self, data_plane: str, keys: tuple[str, ...], count: int) -> Placement:
+        """One range of ``count`` slots free in every pool of ``keys`` (a two-level job has the
+        same slots on each switch it crosses), taken from all of them."""
+        with self._lock:
+            missing = [k for k in keys if k not in self._pools]
+            if missing or not keys:
+                raise AllocationError(f"no slot pool {', '.join(missing) or '(none)'} is configured")
+            pools = [self._pools[k] for k in keys]
+            base = 0
+            while True:  # raise the base until every pool agrees; each round moves it up or ends
+                fits = [p.first_fit(count, base) for p in pools]
+                if all(b == base for b in fits):
+                    break
+                base = max(fits)
+            for p in pools:
+                p.reserve(base, count)
+            return Placement(data_plane, base, count, tuple(keys))
 
     def place(self, wants: list[tuple[str, int]]) -> Placement:
         """Places a range on the first (data plane, slot count) choice that fits."""
@@ -108,14 +152,23 @@ class SlotAllocator:
 
     def reserve(self, placement: Placement) -> None:
         with self._lock:
-            pool = self._pools.get(placement.data_plane)
-            if pool is None:
-                raise AllocationError(f"no {placement.data_plane} data plane is configured")
-            pool.reserve(placement.slot_base, placement.slot_count)
+            missing = [k for k in placement.pool_keys if k not in self._pools]
+            if missing:
+                raise AllocationError(f"no {placement.data_plane} data plane pool {', '.join(missing)}")
+            done = []
+            try:
+                for key in placement.pool_keys:
+                    self._pools[key].reserve(placement.slot_base, placement.slot_count)
+                    done.append(key)
+            except AllocationError:
+                for key in done:
+                    self._pools[key].free(placement.slot_base)
+                raise
 
     def release(self, placement: Placement) -> None:
         with self._lock:
-            self._pools[placement.data_plane].free(placement.slot_base)
+            for key in placement.pool_keys:
+                self._pools[key].free(placement.slot_base)
 
     def ranges(self, data_plane: str) -> list[tuple[int, int]]:
         with self._lock:

@@ -92,9 +92,10 @@ def _serve(args: argparse.Namespace) -> int:
     from switchagg_controller.store import Store
 
     secret = _secret(args)
-    if not args.software and not args.topology:
+    if not args.software and not args.topology and not args.two_level:
         raise CliError(
-            "serve needs --topology (the P4 switch) or --software (an embedded software aggregator)"
+            "serve needs --topology (the P4 switch), --two-level (software leaves and spine) "
+            "or --software (an embedded software aggregator)"
         )
     planes: list[DataPlane] = []
     fleet = None
@@ -133,6 +134,22 @@ def _serve(args: argparse.Namespace) -> int:
         max_counter_index = p4_program.MAX_JOBS
     else:
         max_counter_index = 0
+    embedded = []  # the software aggregators of the two-level data plane
+    if args.two_level:
+        from switchagg.aggregator import SoftwareAggregator
+        from switchagg_controller.hierarchy import TwoLevelDataPlane, load_two_level
+
+        spec = load_two_level(args.two_level)
+        try:
+            embedded = [SoftwareAggregator(*spec.spine).start()]
+            embedded += [SoftwareAggregator(*leaf.listen).start() for leaf in spec.leaves]
+        except Exception:
+            for a in embedded:
+                a.stop()
+            raise
+        planes.append(
+            TwoLevelDataPlane(spec, embedded[0], embedded[1:], k=args.sw_k, default_slots=args.sw_slots)
+        )
     if args.software or args.fallback:
         from switchagg.aggregator import SoftwareAggregator
 
@@ -177,6 +194,9 @@ def _serve(args: argparse.Namespace) -> int:
     reaper = Reaper(manager).start()
     listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
     agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
+    if embedded:
+        spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in embedded)
+        agg += f" two-level spine {spine} leaves {','.join(leaves)}"
     print(
         f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
         flush=True,
@@ -196,6 +216,8 @@ def _serve(args: argparse.Namespace) -> int:
         fleet.stop()
     if aggregator is not None:
         aggregator.stop()
+    for a in embedded:
+        a.stop()
     store.close()
     return 0
 
@@ -472,6 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--software", action="store_true", help="serve jobs on an embedded software aggregator")
     p.add_argument(
         "--fallback", action="store_true", help="with --topology: jobs that do not fit go to software"
+    )
+    p.add_argument(
+        "--two-level",
+        metavar="FILE",
+        help="software leaves and spine (YAML; docs/CONTROLLER.md), before --software",
     )
     p.add_argument("--software-listen", default="127.0.0.1:48879", help="software aggregator UDP address")
     p.add_argument("--software-advertise", help="aggregator IP told to workers (default: the listen IP)")

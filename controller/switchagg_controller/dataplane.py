@@ -15,7 +15,7 @@ from switchagg_controller import allocation
 from switchagg_controller.model import HostPort, Job, SwitchState, Topology, WorkerAddr
 
 if TYPE_CHECKING:
-    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator import Counters, SoftwareAggregator
     from switchagg_controller.supervisor import SwitchSupervisor
 
 
@@ -47,8 +47,16 @@ class DataPlane(Protocol):
     @property
     def aggregator(self) -> tuple[str, int]: ...
 
-    def aggregator_of(self, job: Job) -> tuple[str, int]:
-        """Where the workers of ``job`` send their packets."""
+    def aggregator_of(self, job: Job, rank: int) -> tuple[str, int]:
+        """Where rank ``rank`` of ``job`` sends its packets."""
+        ...
+
+    def pool_sizes(self) -> dict[str, int]:
+        """The slot pools this data plane needs in the allocator (key -> slots)."""
+        ...
+
+    def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
+        """The pools a job of these workers takes its one slot range from (on all of them)."""
         ...
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr: ...
@@ -62,6 +70,16 @@ class DataPlane(Protocol):
         ...
 
     def counters(self) -> list[CounterValue]: ...
+
+
+def job_counters(plane: str, c: Counters) -> list[CounterValue]:
+    """A software aggregator's per-job counters; a leaf job's include protocol.LEAF_COUNTERS."""
+    out = []
+    for job_id in sorted(c["jobs"]):
+        row = c["jobs"][job_id]
+        names = protocol.JOB_COUNTERS + (protocol.LEAF_COUNTERS if protocol.LEAF_COUNTERS[0] in row else ())
+        out += [CounterValue(plane, "job", name, int(job_id), int(row[name])) for name in names]
+    return out
 
 
 class SoftwareDataPlane:
@@ -86,8 +104,14 @@ class SoftwareDataPlane:
     def aggregator(self) -> tuple[str, int]:
         return (self._ip, self.agg.address[1])
 
-    def aggregator_of(self, job: Job) -> tuple[str, int]:
+    def aggregator_of(self, job: Job, rank: int) -> tuple[str, int]:
         return self.aggregator
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {self.name: allocation.SW_POOL_SLOTS}
+
+    def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
+        return (self.name,)
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         return WorkerAddr(rank, ip, udp_port)
@@ -130,11 +154,7 @@ class SoftwareDataPlane:
             CounterValue(self.name, "drops", name, 0, int(c["drops"][name])) for name in protocol.DROP_REASONS
         ]
         out += [CounterValue(self.name, "faults", name, 0, int(v)) for name, v in c["faults"].items()]
-        for job_id in sorted(c["jobs"]):
-            out += [
-                CounterValue(self.name, "job", name, int(job_id), int(c["jobs"][job_id][name]))
-                for name in protocol.JOB_COUNTERS
-            ]
+        out += job_counters(self.name, c)
         return out
 
 
@@ -185,9 +205,15 @@ class P4DataPlane:
         t = next(iter(self.topologies.values()))
         return (t.aggregator_ip, t.udp_port)
 
-    def aggregator_of(self, job: Job) -> tuple[str, int]:
+    def aggregator_of(self, job: Job, rank: int) -> tuple[str, int]:
         t = self.topologies[self.switch_of(job)]
         return (t.aggregator_ip, t.udp_port)
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {self.name: protocol.P4_NUM_SLOTS}  # slot ranges are unique across the switches
+
+    def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
+        return (self.name,)
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         found = self._host(ip)

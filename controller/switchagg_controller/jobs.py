@@ -92,6 +92,12 @@ class JobManager:
         self.allocator = SlotAllocator(
             p4_slots=protocol.P4_NUM_SLOTS if allocation.P4 in self.planes else None,
             sw_slots=allocation.SW_POOL_SLOTS if allocation.SOFTWARE in self.planes else None,
+            pools={
+                key: size
+                for p in data_planes
+                for key, size in p.pool_sizes().items()
+                if key not in (allocation.P4, allocation.SOFTWARE)
+            },
         )
         self.join_timeout, self.reap_timeout = join_timeout, reap_timeout
         self.max_counter_index = max_counter_index
@@ -113,7 +119,10 @@ class JobManager:
                     f"stored job {job.name!r} runs on the {record.data_plane} data plane, "
                     "which this controller does not serve",
                 )
-            self.allocator.reserve(Placement(record.data_plane, job.slot_base, job.slot_count))
+            plane = self.planes[record.data_plane]
+            self.allocator.reserve(
+                Placement(record.data_plane, job.slot_base, job.slot_count, plane.slot_pools(job.workers))
+            )
             record.job = replace(job, generation=self.store.next_generation())
             self.store.save(record)
             now = self.clock()
@@ -179,7 +188,7 @@ class JobManager:
             done = pending.job
             assert done is not None
             my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
-            agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done)
+            agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done, my.rank)
             return Assignment(
                 pending.data_plane,
                 agg_ip,
@@ -248,7 +257,9 @@ class JobManager:
                         key=lambda w: w.rank,
                     )
                 )
-                placement = self.allocator.place([(plane_name, plane.default_slots)])
+                placement = self.allocator.place_on_all(
+                    plane_name, plane.slot_pools(workers), plane.default_slots
+                )
             except (AllocationError, DataPlaneError) as e:
                 errors.append(str(e))
                 continue
@@ -342,7 +353,10 @@ class JobManager:
         del self._active[job.job_id]
         self.store.delete(job.job_id)
         self.planes[active.record.data_plane].remove(job)
-        self.allocator.release(Placement(active.record.data_plane, job.slot_base, job.slot_count))
+        plane = self.planes[active.record.data_plane]
+        self.allocator.release(
+            Placement(active.record.data_plane, job.slot_base, job.slot_count, plane.slot_pools(job.workers))
+        )
 
     def reap(self) -> list[int]:
         """Removes jobs with a worker silent for longer than the reap timeout; returns their ids.

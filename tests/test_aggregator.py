@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -401,6 +402,27 @@ def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.s
                 "aggregated": 2, "multicast": 1, "resent": 0, "retrans_ignored": 0,
                 "upstream": 1, "upstream_resent": 0, "stale_results": 0,
             }  # fmt: skip
+        # Prometheus carries the leaf's own counters for leaf jobs only (the spine's job is plain).
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from switchagg.metrics import data_plane_families
+
+        def exported(agg: SoftwareAggregator) -> dict[str, float]:
+            registry = CollectorRegistry()
+            registry.register(_Fixed(data_plane_families([agg.metrics_sample()])))
+            text = generate_latest(registry).decode()
+            return {
+                s.name: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.labels.get("job_id") == "5"
+            }
+
+        assert exported(leaf1)["switchagg_job_upstream_total"] == 1
+        assert exported(leaf1)["switchagg_job_stale_results_total"] == 0
+        assert "switchagg_job_upstream_total" not in exported(spine)
+        assert exported(spine)["switchagg_job_multicast_total"] == 1
         ready, _, _ = select.select(socks, [], [], 0.2)
         assert not ready
 
@@ -481,3 +503,13 @@ def test_cli_serves_a_job_and_exits_on_sigint(socks: list[socket.socket]) -> Non
     final = out.split("final counters:")[1]
     assert "rx 2  tx 2" in final
     assert final.strip().splitlines()[-1].split() == ["9", "2", "1", "0", "0"]
+
+
+class _Fixed:
+    """A collector that yields given families (for rendering one snapshot)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from switchagg.protocol import DROP_REASONS, JOB_COUNTERS
+from switchagg.protocol import DROP_REASONS, JOB_COUNTERS, LEAF_COUNTERS
 
 DEFAULT_HOST = "127.0.0.1"  # a scraper on another host needs 0.0.0.0 (or the host's address)
 
@@ -36,6 +36,12 @@ _JOB_HELP = {
     "resent": "Results unicast again to a rank that retransmitted to a complete slot",
     "retrans_ignored": "Retransmissions to a slot still waiting for other ranks (dropped)",
 }
+# docs/PROTOCOL.md, Two levels: a leaf's own counters (only leaf jobs have them).
+_LEAF_HELP = {
+    "upstream": "Partial sums a leaf sent up to the spine",
+    "upstream_resent": "Partial sums a leaf sent up again for a worker's retransmission",
+    "stale_results": "Results from the spine that answered no partial the leaf waits for (dropped)",
+}
 
 
 # --- the data plane (aggregator, switch) --------------------------------------------------------
@@ -43,7 +49,8 @@ _JOB_HELP = {
 
 @dataclass(frozen=True)
 class JobSample:
-    """One job's counters on one data plane (``counters`` keyed by protocol.JOB_COUNTERS)."""
+    """One job's counters on one data plane (``counters`` keyed by protocol.JOB_COUNTERS, and for a
+    leaf of two levels also by protocol.LEAF_COUNTERS)."""
 
     job_id: int
     counters: Mapping[str, int]
@@ -112,6 +119,9 @@ def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
                 c.counter(
                     f"switchagg_job_{name}", _JOB_HELP[name], JOB_LABELS, labels, j.counters.get(name, 0)
                 )
+            for name in LEAF_COUNTERS:
+                if name in j.counters:
+                    c.counter(f"switchagg_job_{name}", _LEAF_HELP[name], JOB_LABELS, labels, j.counters[name])
             c.gauge("switchagg_job_slots", "Slots the job holds (its window)", JOB_LABELS, labels, j.slots)
             c.gauge("switchagg_job_workers", "Ranks of the job", JOB_LABELS, labels, j.workers)
     return c.families()

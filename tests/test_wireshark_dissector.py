@@ -200,9 +200,13 @@ def _capture_demo(pcap: Path) -> str:
     ns = f"sa-ws-{os.getpid()}"
     netns.add_netns(ns)
     try:
-        # --immediate-mode: each packet is written as it arrives, not when a ring block fills.
+        # --immediate-mode: each packet is written as it arrives, not when a ring block fills. Its
+        # ring has one slot per snaplen: the default 256 KiB snaplen in the default 2 MiB buffer left
+        # 8 slots, which overflowed while a busy machine did not schedule tcpdump (frames lost).
+        # 9000 bytes hold any datagram of the demo; 32 MiB give thousands of slots.
         dump = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "tcpdump", "--immediate-mode", "-i", "lo", "-U", "-w", str(pcap)]
+            ["ip", "netns", "exec", ns, "tcpdump", "--immediate-mode", "-s", "9000", "-B", "32768"]
+            + ["-i", "lo", "-U", "-w", str(pcap)]
             + ["udp", "port", str(protocol.UDP_PORT)],
             stderr=subprocess.PIPE,
             text=True,

@@ -27,7 +27,7 @@ from switchagg import protocol
 from switchagg_controller import allocation
 from switchagg_controller.dataplane import CounterValue, DataPlaneError, job_counters
 from switchagg_controller.model import Job, WorkerAddr
-from switchagg_controller.topology import TopologyError, _Node
+from switchagg_controller.topology import TopologyError, _Node, read_config
 
 if TYPE_CHECKING:
     from switchagg.aggregator import SoftwareAggregator
@@ -104,12 +104,7 @@ def parse_two_level(text: str, source: str = "<two-level>") -> TwoLevelSpec:
 
 
 def load_two_level(path: str | Path) -> TwoLevelSpec:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise TopologyError(f"{p}: cannot read the two-level file: {e.strerror}") from None
-    return parse_two_level(text, p.name)
+    return parse_two_level(*read_config(path, "two-level file"))
 
 
 def pool_key(node: str) -> str:

@@ -231,22 +231,21 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
     return switches[0]
 
 
-def load_topologies(path: str | Path) -> list[Topology]:
+def read_config(path: str | Path, what: str) -> tuple[str, str]:
+    """A configuration file's text and the name its errors cite, or a TopologyError."""
     p = Path(path)
     try:
-        text = p.read_text()
+        return p.read_text(), p.name
     except OSError as e:
-        raise TopologyError(f"{p}: cannot read the topology file: {e.strerror}") from None
-    return parse_topologies(text, p.name)
+        raise TopologyError(f"{p}: cannot read the {what}: {e.strerror}") from None
+
+
+def load_topologies(path: str | Path) -> list[Topology]:
+    return parse_topologies(*read_config(path, "topology file"))
 
 
 def load_topology(path: str | Path) -> Topology:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise TopologyError(f"{p}: cannot read the topology file: {e.strerror}") from None
-    return parse_topology(text, p.name)
+    return parse_topology(*read_config(path, "topology file"))
 
 
 def _hosts_doc(t: Topology) -> list[dict[str, Any]]:

@@ -227,6 +227,25 @@ static void send_partial(Aggregator *a, const struct job *j, uint32_t slot, uint
     queue_msg(a, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
 }
 
+/* The slot a packet of job j addresses (its index in the job and its shadow set), or 0 with the
+ * drop counted when the slot is not the job's or the payload is not exactly K values. */
+static int job_slot(Aggregator *a, const struct job *j, const struct sa_header *h, size_t len,
+                    uint32_t *local, uint32_t *s) {
+    uint32_t pool = ntohs(h->pool);
+    uint32_t slot = pool & SA_POOL_SLOT_MASK;
+    if (slot < j->base || slot >= j->base + j->count) {
+        a->drops[SA_DROP_BAD_POOL]++;
+        return 0;
+    }
+    if (len != SA_HEADER_LEN + 4 * (size_t)j->k || ntohs(h->elems) != j->k) {
+        a->drops[SA_DROP_TRUNCATED]++;
+        return 0;
+    }
+    *local = slot - j->base;
+    *s = pool >> 15;
+    return 1;
+}
+
 /* A RESULT: only a leaf takes one, only from its spine, and only as the answer to its partial. */
 static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     const struct sa_header *h = (const struct sa_header *)buf;
@@ -243,17 +262,8 @@ static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const 
         a->drops[SA_DROP_SPOOFED]++;
         return;
     }
-    uint32_t pool = ntohs(h->pool);
-    uint32_t slot = pool & SA_POOL_SLOT_MASK, s = pool >> 15;
-    if (slot < j->base || slot >= j->base + j->count) {
-        a->drops[SA_DROP_BAD_POOL]++;
-        return;
-    }
-    if (len != SA_HEADER_LEN + 4 * (size_t)j->k || ntohs(h->elems) != j->k) {
-        a->drops[SA_DROP_TRUNCATED]++;
-        return;
-    }
-    uint32_t local = slot - j->base;
+    uint32_t local, s;
+    if (!job_slot(a, j, h, len, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
     /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. */
     if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] ||
@@ -299,20 +309,11 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         a->drops[SA_DROP_SPOOFED]++;
         return;
     }
-    uint32_t pool = ntohs(h->pool);
-    uint32_t slot = pool & SA_POOL_SLOT_MASK, s = pool >> 15;
-    if (slot < j->base || slot >= j->base + j->count) {
-        a->drops[SA_DROP_BAD_POOL]++;
-        return;
-    }
+    uint32_t local, s;
+    if (!job_slot(a, j, h, len, &local, &s)) return;
     const uint32_t k = j->k;
-    if (len != SA_HEADER_LEN + 4 * (size_t)k || ntohs(h->elems) != k) {
-        a->drops[SA_DROP_TRUNCATED]++;
-        return;
-    }
     uint32_t bit = 1u << r;
 
-    uint32_t local = slot - j->base;
     if (j->slot_gen[local] != j->gen) { /* first packet into this slot for this installation */
         j->slot_gen[local] = j->gen;
         j->bitmap[2 * local] = j->bitmap[2 * local + 1] = 0;
@@ -343,7 +344,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         j->aggregated++;
         if (j->cnt[si] == j->m) {
             if (j->leaf) {
-                send_partial(a, j, slot, s, si);
+                send_partial(a, j, j->base + local, s, si);
                 j->upstream_sent++;
             } else {
                 multicast(a, j, h, si);
@@ -357,7 +358,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         if (j->leaf && r != j->first_local) {
             j->retrans_ignored++; /* the m workers resend alike: re-send up once per loss, not m times */
         } else if (j->leaf) {     /* still waiting for the spine: the partial or its result was lost */
-            send_partial(a, j, slot, s, si);
+            send_partial(a, j, j->base + local, s, si);
             j->upstream_resent++;
         } else {
             const uint8_t *out = encode_result(a, j, si);

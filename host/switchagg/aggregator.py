@@ -11,6 +11,10 @@ and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are t
 switchagg-aggregator --port 6001 --job 7:4:0:32:8192@127.0.0.1:5000,127.0.0.1:5001,-,-
     --leaf 7:0@127.0.0.1:6000
 switchagg-aggregator --port 6000 --job 7:2:0:32:8192@127.0.0.1:6001,127.0.0.1:6002
+
+A controller installs jobs itself through the control service (switchagg.aggregator_control):
+
+switchagg-aggregator --host 10.0.1.254 --control 10.0.0.1:50061 --control-secret-file secret
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from switchagg import _core
 from switchagg.protocol import (
@@ -51,6 +55,35 @@ class InstalledJob:
     slot_count: int
     k: int
     name: str
+
+
+class AggregatorHandle(Protocol):
+    """What installs and reads jobs on a software aggregator: a SoftwareAggregator in this process,
+    or a RemoteAggregator (switchagg.aggregator_control) reaching another one's control service."""
+
+    @property
+    def address(self) -> tuple[str, int]: ...
+
+    def add_job(
+        self,
+        job_id: int,
+        n: int,
+        slot_base: int,
+        slot_count: int,
+        k: int,
+        generation: int,
+        addrs: Sequence[tuple[str, int] | None],
+        *,
+        name: str = "",
+        upstream: tuple[str, int] | None = None,
+        leaf_index: int = 0,
+    ) -> Any: ...
+
+    def remove_job(self, job_id: int) -> Any: ...
+
+    def jobs(self) -> dict[int, InstalledJob]: ...
+
+    def counters(self) -> Counters: ...
 
 
 _JOIN_TIMEOUT_S = 10.0  # run() notices stop() within ~50 ms; this only guards against a hang
@@ -348,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)",
     )
+    p.add_argument(
+        "--control",
+        metavar="LISTEN",
+        help="serve the control service (a controller installs jobs through it) on HOST:PORT or unix:PATH",
+    )
+    p.add_argument(
+        "--control-secret-file",
+        type=Path,
+        metavar="FILE",
+        help="the control service's shared secret (required with --control)",
+    )
     return p
 
 
@@ -387,6 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             agg.add_job(*job, name=names.get(job[0], ""), upstream=spine, leaf_index=index)
         if args.metrics_port is not None:
             metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
+        if args.control is not None:
+            if args.control_secret_file is None:
+                raise ValueError("--control needs --control-secret-file")
+            from switchagg.aggregator_control import serve_control
+
+            secret = args.control_secret_file.read_text().strip()
+            control, control_port, boot_id = serve_control(agg, args.control, secret)
     except (ValueError, OSError, ImportError) as exc:
         print(f"switchagg-aggregator: {exc}", file=sys.stderr)
         return 2
@@ -406,9 +457,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"switchagg-aggregator listening on {host}:{port}; jobs: {jobs}", flush=True)
     if args.metrics_port is not None:
         print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
+    if args.control is not None:
+        where = args.control if control_port == 0 else f"{args.control.rpartition(':')[0]}:{control_port}"
+        print(f"control on {where}; boot id {boot_id}", flush=True)
     interval = args.stats_interval if args.stats_interval > 0 else None
     while not done.wait(interval):
         print(format_counters(agg.counters()), flush=True)
+    if args.control is not None:
+        control.stop(grace=1.0).wait()
     final = agg.counters()
     agg.stop()
     print("final counters:\n" + format_counters(final), flush=True)

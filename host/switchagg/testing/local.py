@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from switchagg.aggregator import SoftwareAggregator
+from switchagg.aggregator import AggregatorHandle
 
 WORKER = [sys.executable, "-m", "switchagg.testing.worker"]
 
@@ -34,7 +34,7 @@ def _read_address(p: subprocess.Popen[str], deadline: float) -> tuple[str, int]:
 
 
 def run_job(
-    agg: SoftwareAggregator,
+    agg: AggregatorHandle,
     job: int,
     n: int,
     tensors: list[tuple[str, int]],

@@ -3,13 +3,10 @@ installed and removed through its gRPC control socket, real worker processes sum
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,62 +15,20 @@ import pytest
 from switchagg._proto import aggregator_pb2 as pb
 from switchagg.aggregator_control import ControlError, RemoteAggregator
 from switchagg.testing.checks import check_results
+from switchagg.testing.control import ControlledAggregator
 from switchagg.testing.local import run_job
 
 SECRET = "control-test-secret"
-READY = re.compile(r"control on (\S+); boot id ([0-9a-f]+)")
-
-
-@dataclass
-class Process:
-    proc: subprocess.Popen[str]
-    target: str
-    boot_id: str
-
-
-def _start(tmp: Path, name: str, secret: str = SECRET) -> Process:
-    secret_file = tmp / f"{name}.secret"
-    secret_file.write_text(secret + "\n")
-    target = f"unix:{tmp / name}.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--control", target,
-         "--control-secret-file", str(secret_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    watchdog = threading.Timer(30.0, proc.kill)  # bounds the wait: readline returns '' once killed
-    watchdog.start()
-    try:
-        for line in proc.stdout:
-            m = READY.search(line)
-            if m:
-                return Process(proc, m.group(1), m.group(2))
-    finally:
-        watchdog.cancel()
-    proc.kill()
-    _, err = proc.communicate(timeout=10)
-    raise AssertionError(f"switchagg-aggregator --control did not come up: {err[-1500:]}")
-
-
-def _stop(p: Process) -> None:
-    if p.proc.poll() is None:
-        p.proc.terminate()
-        try:
-            p.proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.communicate(timeout=10)
 
 
 @pytest.fixture
-def aggregator(tmp_path: Path) -> Iterator[Process]:
-    p = _start(tmp_path, "agg")
-    yield p
-    _stop(p)
+def aggregator(tmp_path: Path) -> Iterator[ControlledAggregator]:
+    with ControlledAggregator(tmp_path, "agg", SECRET) as p:
+        yield p
 
 
 def test_workers_sum_exactly_through_a_job_installed_over_the_control_service(
-    aggregator: Process, tmp_path: Path
+    aggregator: ControlledAggregator, tmp_path: Path
 ) -> None:
     with RemoteAggregator(aggregator.target, SECRET) as remote:
         info = remote.info()
@@ -92,7 +47,7 @@ def test_workers_sum_exactly_through_a_job_installed_over_the_control_service(
         assert remote.jobs() == {}
 
 
-def test_a_wrong_secret_changes_nothing(aggregator: Process) -> None:
+def test_a_wrong_secret_changes_nothing(aggregator: ControlledAggregator) -> None:
     addrs = [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
     remote, foe = RemoteAggregator(aggregator.target, SECRET), RemoteAggregator(aggregator.target, "guess")
     with remote, foe:
@@ -110,7 +65,7 @@ def test_a_wrong_secret_changes_nothing(aggregator: Process) -> None:
         assert set(remote.jobs()) == {7}
 
 
-def test_a_refused_job_leaves_what_was_installed(aggregator: Process) -> None:
+def test_a_refused_job_leaves_what_was_installed(aggregator: ControlledAggregator) -> None:
     a = [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
     with RemoteAggregator(aggregator.target, SECRET) as remote:
         assert remote.add_job(7, 2, 0, 8, 16, 1, a) is False
@@ -137,22 +92,17 @@ def _info_within(remote: RemoteAggregator, seconds: float) -> pb.InfoReply:
 
 
 def test_a_restart_shows_as_a_new_boot_id_with_no_jobs(tmp_path: Path) -> None:
-    first = _start(tmp_path, "agg")
-    try:
-        with RemoteAggregator(first.target, SECRET) as remote:
-            remote.add_job(3, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("127.0.0.1", 5001)])
-            _stop(first)
-            with pytest.raises(ControlError) as e:
-                remote.info()
-            assert e.value.code == grpc.StatusCode.UNAVAILABLE
-            second = _start(tmp_path, "agg")
-            try:
-                assert _info_within(remote, 15.0).boot_id not in ("", first.boot_id)
-                assert remote.jobs() == {}
-            finally:
-                _stop(second)
-    finally:
-        _stop(first)
+    with ControlledAggregator(tmp_path, "agg", SECRET) as agg, RemoteAggregator(agg.target, SECRET) as remote:
+        remote.add_job(3, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("127.0.0.1", 5001)])
+        first, address = agg.boot_id, agg.address
+        agg.kill()
+        with pytest.raises(ControlError) as e:
+            remote.info()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        agg.start()
+        info = _info_within(remote, 15.0)
+        assert info.boot_id == agg.boot_id != first and (info.ip, info.udp_port) == address
+        assert remote.jobs() == {}
 
 
 def test_control_needs_a_secret_file(tmp_path: Path) -> None:

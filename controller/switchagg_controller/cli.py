@@ -23,12 +23,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+if TYPE_CHECKING:
+    from switchagg.aggregator import AggregatorHandle
 
 
 class CliError(Exception):
@@ -134,22 +137,35 @@ def _serve(args: argparse.Namespace) -> int:
         max_counter_index = p4_program.MAX_JOBS
     else:
         max_counter_index = 0
-    embedded = []  # the software aggregators of the two-level data plane
+    nodes: list[AggregatorHandle] = []  # the two-level data plane's spine and leaves
+    node_supervisor = None
     if args.two_level:
-        from switchagg.aggregator import SoftwareAggregator
-        from switchagg_controller.hierarchy import TwoLevelDataPlane, load_two_level
+        from switchagg_controller.hierarchy import (
+            NodeSupervisor,
+            NodeWatch,
+            TwoLevelDataPlane,
+            load_two_level,
+            open_nodes,
+        )
 
         spec = load_two_level(args.two_level)
-        try:
-            embedded = [SoftwareAggregator(*spec.spine).start()]
-            embedded += [SoftwareAggregator(*leaf.listen).start() for leaf in spec.leaves]
-        except Exception:
-            for a in embedded:
-                a.stop()
-            raise
-        planes.append(
-            TwoLevelDataPlane(spec, embedded[0], embedded[1:], k=args.sw_k, default_slots=args.sw_slots)
-        )
+        nodes, unreachable = open_nodes(spec)
+        for warning in unreachable:
+            print(f"switchagg-ctl: warning: {warning}", file=sys.stderr)
+        two_level = TwoLevelDataPlane(spec, nodes[0], nodes[1:], k=args.sw_k, default_slots=args.sw_slots)
+        planes.append(two_level)
+
+        def on_node_restart(node: int) -> None:  # a remote node restarted or is back: its jobs again
+            if manager is not None:
+                installed, removed = two_level.reconcile(node, manager.jobs(allocation.TWO_LEVEL))
+                print(
+                    f"switchagg-ctl: two-level node {node} reconciled: {installed} job(s) installed, "
+                    f"{removed} removed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        node_supervisor = NodeSupervisor(NodeWatch(nodes), on_node_restart)
     if args.software or args.fallback:
         from switchagg.aggregator import SoftwareAggregator
 
@@ -192,10 +208,12 @@ def _serve(args: argparse.Namespace) -> int:
     server, port = make_server(manager, secret, args.listen, on_join=on_join)
     server.start()
     reaper = Reaper(manager).start()
+    if node_supervisor is not None:
+        node_supervisor.start()
     listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
     agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-    if embedded:
-        spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in embedded)
+    if nodes:
+        spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in nodes)
         agg += f" two-level spine {spine} leaves {','.join(leaves)}"
     print(
         f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
@@ -216,8 +234,12 @@ def _serve(args: argparse.Namespace) -> int:
         fleet.stop()
     if aggregator is not None:
         aggregator.stop()
-    for a in embedded:
-        a.stop()
+    if node_supervisor is not None:
+        node_supervisor.stop()
+    if nodes:
+        from switchagg_controller.hierarchy import close_nodes
+
+        close_nodes(nodes)
     store.close()
     return 0
 

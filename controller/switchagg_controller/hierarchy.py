@@ -11,12 +11,23 @@ leaves:
   - {name: rack1, listen: 127.0.2.254:48879, subnets: [127.0.2.0/24], advertise: 127.0.2.254}
 
 ``advertise`` (optional): the IP told to the leaf's workers (default: the listen IP).
+
+A node may also run elsewhere: a ``switchagg-aggregator --control ...`` on another host (a leaf in
+its rack), which the controller reaches through that aggregator's control service
+(docs/PROTOCOL.md, The software aggregator) instead of running it. ``listen`` then says where it
+serves (checked against what it reports), ``control`` how to reach it and ``secret_file`` (relative
+to this file) its shared secret:
+
+  - {name: rack2, listen: 10.0.3.254:48879, subnets: [10.0.3.0/24],
+     control: 10.0.0.13:50061, secret_file: rack2.secret}
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,9 +41,18 @@ from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.topology import TopologyError, _Node, read_config
 
 if TYPE_CHECKING:
-    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator import AggregatorHandle
 
 Address = tuple[str, int]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A node the controller does not run: a switchagg-aggregator with a control service."""
+
+    control: str  # HOST:PORT or unix:PATH
+    secret_file: Path
 
 
 @dataclass(frozen=True)
@@ -41,12 +61,14 @@ class LeafSpec:
     listen: Address
     subnets: tuple[ipaddress.IPv4Network, ...]
     advertise: str = ""  # "" = the listen IP
+    remote: Remote | None = None  # None: embedded in the controller
 
 
 @dataclass(frozen=True)
 class TwoLevelSpec:
     spine: Address
     leaves: tuple[LeafSpec, ...]
+    spine_remote: Remote | None = None
 
     def leaf_of(self, ip: str) -> int | None:
         """The index of the leaf whose subnets hold ``ip``."""
@@ -65,7 +87,24 @@ def _address(node: _Node) -> Address:
     return (host, int(port))
 
 
-def parse_two_level(text: str, source: str = "<two-level>") -> TwoLevelSpec:
+_REMOTE_KEYS = ("control", "secret_file")
+
+
+def _remote(f: dict[str, _Node], base: Path) -> Remote | None:
+    if "control" not in f and "secret_file" not in f:
+        return None
+    for key in _REMOTE_KEYS:
+        if key not in f:
+            other = next(k for k in _REMOTE_KEYS if k != key)
+            raise f[other].fail(f"{other} needs {key} too (a node run elsewhere names both)")
+    if f["listen"].text().endswith(":0"):
+        raise f["listen"].fail("a node run elsewhere needs its real port, not 0")
+    return Remote(f["control"].text(), base / f["secret_file"].text())
+
+
+def parse_two_level(text: str, source: str = "<two-level>", base: Path | None = None) -> TwoLevelSpec:
+    """``base``: the directory relative secret_file paths start from (default: the working one)."""
+    base = base if base is not None else Path()
     try:
         root_node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -73,11 +112,13 @@ def parse_two_level(text: str, source: str = "<two-level>") -> TwoLevelSpec:
     if root_node is None:
         raise TopologyError(f"{source}:1: the file is empty")
     top = _Node(source, root_node, "").mapping(("spine", "leaves"))
-    spine = _address(top["spine"].mapping(("listen",))["listen"])
+    spine_f = top["spine"].mapping(("listen",), _REMOTE_KEYS)
+    spine = _address(spine_f["listen"])
+    spine_remote = _remote(spine_f, base)
     leaves: list[LeafSpec] = []
     seen: dict[str, str] = {}
     for node in top["leaves"].sequence():
-        f = node.mapping(("name", "listen", "subnets"), ("advertise",))
+        f = node.mapping(("name", "listen", "subnets"), ("advertise", *_REMOTE_KEYS))
         name = f["name"].text()
         subnets = []
         for s in f["subnets"].sequence():
@@ -88,7 +129,11 @@ def parse_two_level(text: str, source: str = "<two-level>") -> TwoLevelSpec:
         if not subnets:
             raise f["subnets"].fail("at least one subnet is needed")
         leaf = LeafSpec(
-            name, _address(f["listen"]), tuple(subnets), f["advertise"].ipv4() if "advertise" in f else ""
+            name,
+            _address(f["listen"]),
+            tuple(subnets),
+            f["advertise"].ipv4() if "advertise" in f else "",
+            _remote(f, base),
         )
         for key in (f"name {name}", f"listen {leaf.listen}"):
             if key in seen or (key.startswith("listen") and leaf.listen == spine):
@@ -100,11 +145,11 @@ def parse_two_level(text: str, source: str = "<two-level>") -> TwoLevelSpec:
         leaves.append(leaf)
     if not leaves:
         raise top["leaves"].fail("at least one leaf is needed")
-    return TwoLevelSpec(spine, tuple(leaves))
+    return TwoLevelSpec(spine, tuple(leaves), spine_remote)
 
 
 def load_two_level(path: str | Path) -> TwoLevelSpec:
-    return parse_two_level(*read_config(path, "two-level file"))
+    return parse_two_level(*read_config(path, "two-level file"), base=Path(path).parent)
 
 
 def pool_key(node: str) -> str:
@@ -125,8 +170,8 @@ class TwoLevelDataPlane:
     def __init__(
         self,
         spec: TwoLevelSpec,
-        spine: SoftwareAggregator,
-        leaves: list[SoftwareAggregator],
+        spine: AggregatorHandle,
+        leaves: list[AggregatorHandle],
         k: int = protocol.DEFAULT_SW_K,
         default_slots: int = protocol.DEFAULT_SW_SLOTS,
     ) -> None:
@@ -146,6 +191,10 @@ class TwoLevelDataPlane:
         if leaf is None:
             raise DataPlaneError(f"{ip} is behind no leaf of the two-level topology")
         return leaf
+
+    def crosses(self, job: Job, node: int) -> bool:
+        """Whether ``job`` runs on node ``node`` (0 the spine, l+1 leaf l)."""
+        return node == 0 or node - 1 in self.job_leaves(job.workers)
 
     def job_leaves(self, workers: tuple[WorkerAddr, ...]) -> list[int]:
         """The leaves a job crosses, in topology order: position l is rank l at the spine."""
@@ -168,31 +217,40 @@ class TwoLevelDataPlane:
     def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
         return (pool_key(SPINE), *(pool_key(self.spec.leaves[i].name) for i in self.job_leaves(workers)))
 
-    def _nodes(self, job: Job) -> list[SoftwareAggregator]:
+    def _nodes(self, job: Job) -> list[AggregatorHandle]:
         return [self.spine, *(self.leaves[i] for i in self.job_leaves(job.workers))]
 
-    def install(self, job: Job) -> None:
+    def _node(self, node: int) -> AggregatorHandle:
+        return self.spine if node == 0 else self.leaves[node - 1]
+
+    def _add_on(self, job: Job, node: int) -> None:
+        """Installs ``job`` on node ``node`` (0 the spine, l+1 leaf l) as that node's role in it."""
         leaves = self.job_leaves(job.workers)
+        if node == 0:  # the spine: rank l is leaf l's address
+            views = [self.leaves[i].address for i in leaves]
+            self.spine.add_job(
+                job.job_id, len(leaves), job.slot_base, job.slot_count, job.k, job.generation, views,
+                name=job.name,
+            )  # fmt: skip
+            return
+        i = node - 1
         ranks = sorted(job.workers, key=lambda w: w.rank)
+        addrs = [(w.ip, w.udp_port) if self.spec.leaf_of(w.ip) == i else None for w in ranks]
+        self.leaves[i].add_job(
+            job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs,
+            name=job.name, upstream=self.spine.address, leaf_index=leaves.index(i),
+        )  # fmt: skip
+
+    def install(self, job: Job) -> None:
         with self._lock:
             if job.job_id in self._installed:  # a reinstall with a new generation
                 self._remove_locked(job)
-            done: list[SoftwareAggregator] = []
+            done: list[AggregatorHandle] = []
             try:
                 # The spine first: a leaf's first partial must find its job there.
-                views = [self.leaves[i].address for i in leaves]
-                self.spine.add_job(
-                    job.job_id, len(leaves), job.slot_base, job.slot_count, job.k, job.generation, views,
-                    name=job.name,
-                )  # fmt: skip
-                done.append(self.spine)
-                for position, i in enumerate(leaves):
-                    addrs = [(w.ip, w.udp_port) if self.spec.leaf_of(w.ip) == i else None for w in ranks]
-                    self.leaves[i].add_job(
-                        job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs,
-                        name=job.name, upstream=self.spine.address, leaf_index=position,
-                    )  # fmt: skip
-                    done.append(self.leaves[i])
+                for node in (0, *(i + 1 for i in self.job_leaves(job.workers))):
+                    self._add_on(job, node)
+                    done.append(self._node(node))
             except Exception as e:
                 for agg in done:
                     agg.remove_job(job.job_id)
@@ -204,12 +262,39 @@ class TwoLevelDataPlane:
     def _remove_locked(self, job: Job) -> None:
         self._installed.discard(job.job_id)
         for agg in self._nodes(job):
-            agg.remove_job(job.job_id)
+            try:
+                agg.remove_job(job.job_id)
+            except Exception as e:  # a remote node that is unreachable: reconcile() clears it later
+                log.warning("removing job %d from a two-level node failed: %s", job.job_id, e)
 
     def remove(self, job: Job) -> None:
         with self._lock:
             if job.job_id in self._installed:
                 self._remove_locked(job)
+
+    def reconcile(self, node: int, jobs: list[Job]) -> tuple[int, int]:
+        """Makes node ``node`` hold exactly its part of ``jobs`` (the manager's two-level jobs):
+        for a remote node that restarted (it came back empty) or was unreachable for a while (it
+        may hold jobs removed meanwhile). Jobs keep their generation: the restarted node's empty
+        slots are rebuilt by the workers' resends while the other nodes keep their state
+        (docs/PROTOCOL.md, Restarting a leaf). Returns (installed, removed)."""
+        agg = self._node(node)
+        with self._lock:
+            want = {j.job_id: j for j in jobs if j.job_id in self._installed and self.crosses(j, node)}
+            have = agg.jobs()
+            stale = [
+                job_id
+                for job_id, info in have.items()
+                if job_id not in want
+                or (info.slot_base, info.slot_count, info.k)
+                != (want[job_id].slot_base, want[job_id].slot_count, want[job_id].k)
+            ]
+            for job_id in stale:
+                agg.remove_job(job_id)
+            missing = [job for job_id, job in want.items() if job_id not in have or job_id in stale]
+            for job in missing:
+                self._add_on(job, node)
+            return len(missing), len(stale)
 
     def restore(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -228,3 +313,132 @@ class TwoLevelDataPlane:
             out += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
             out += job_counters(plane, c)
         return out
+
+
+def _secret(remote: Remote) -> str:
+    try:
+        secret = remote.secret_file.read_text().strip()
+    except OSError as e:
+        raise TopologyError(
+            f"{remote.secret_file}: cannot read the secret of {remote.control}: {e.strerror}"
+        ) from None
+    if not secret:
+        raise TopologyError(f"{remote.secret_file}: the secret of {remote.control} is empty")
+    return secret
+
+
+def open_nodes(spec: TwoLevelSpec) -> tuple[list[AggregatorHandle], list[str]]:
+    """The spine's and each leaf's aggregator, in that order: embedded ones started here, remote
+    ones reached through their control service, and the warnings for those not reachable yet
+    (their jobs install once they are: NodeWatch). A remote one serving elsewhere than its
+    ``listen`` is an error."""
+    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator_control import ControlError, RemoteAggregator
+
+    nodes: list[AggregatorHandle] = []
+    warnings: list[str] = []
+    roles = [(SPINE, spec.spine, spec.spine_remote), *((f.name, f.listen, f.remote) for f in spec.leaves)]
+    try:
+        for name, listen, remote in roles:
+            if remote is None:
+                nodes.append(SoftwareAggregator(*listen).start())
+                continue
+            agg = RemoteAggregator(remote.control, _secret(remote), timeout=2.0, address=listen)
+            nodes.append(agg)
+            try:
+                info = agg.info()
+            except ControlError as e:
+                warnings.append(f"the {name} aggregator is not reachable yet: {e}")
+                continue
+            if (info.ip, info.udp_port) != listen:
+                raise TopologyError(
+                    f"the {name} aggregator at {remote.control} serves on {info.ip}:{info.udp_port}, "
+                    f"not on its listen address {listen[0]}:{listen[1]}"
+                )
+    except Exception:
+        close_nodes(nodes)
+        raise
+    return nodes, warnings
+
+
+def close_nodes(nodes: list[AggregatorHandle]) -> None:
+    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator_control import RemoteAggregator
+
+    for agg in nodes:
+        if isinstance(agg, SoftwareAggregator):
+            agg.stop()  # embedded: the controller's own
+        elif isinstance(agg, RemoteAggregator):
+            agg.close()  # remote: only our channel to it
+
+
+class NodeWatch:
+    """Watches the remote aggregators through their Info call: ``poll()`` returns the indices (0
+    the spine, l+1 leaf l) of those that restarted (a new boot id: their jobs are gone) or are
+    reachable again since the last poll (they may hold jobs removed meanwhile)."""
+
+    def __init__(self, nodes: list[AggregatorHandle]) -> None:
+        from switchagg.aggregator_control import RemoteAggregator
+
+        self._remote = {i: a for i, a in enumerate(nodes) if isinstance(a, RemoteAggregator)}
+        self._boot: dict[int, str] = {}
+        self.up: dict[int, bool] = {i: False for i in self._remote}
+        for i in self._remote:  # the ones reachable now are as open_nodes found them
+            boot = self._boot_id(i)
+            if boot is not None:
+                self._boot[i] = boot
+
+    def _boot_id(self, i: int) -> str | None:
+        from switchagg.aggregator_control import ControlError
+
+        try:
+            boot = self._remote[i].info().boot_id
+        except ControlError:
+            self.up[i] = False
+            return None
+        self.up[i] = True
+        return boot
+
+    def poll(self) -> list[int]:
+        """The remote nodes to reconcile: restarted (a new boot id), or reachable again."""
+        changed = []
+        for i in self._remote:
+            was_up = self.up[i]
+            boot = self._boot_id(i)
+            if boot is None:
+                continue
+            if self._boot.get(i) != boot or not was_up:
+                changed.append(i)
+                self._boot[i] = boot
+        return changed
+
+
+WATCH_INTERVAL_S = 1.0
+
+
+class NodeSupervisor:
+    """Polls the remote aggregators (NodeWatch) and hands each one that restarted or came back
+    to ``on_restart(node)``, which reconciles its jobs (TwoLevelDataPlane.reconcile)."""
+
+    def __init__(
+        self, watch: NodeWatch, on_restart: Callable[[int], None], interval: float = WATCH_INTERVAL_S
+    ):
+        self.watch, self.on_restart, self.interval = watch, on_restart, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="switchagg-node-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for node in self.watch.poll():
+                try:
+                    self.on_restart(node)
+                except Exception:  # keep watching: the next restart must still be handled
+                    log.exception("reinstalling the jobs of two-level node %d failed", node)
+
+    def start(self) -> NodeSupervisor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10.0)

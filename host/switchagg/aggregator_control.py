@@ -156,7 +156,10 @@ class RemoteAggregator:
     """A ``switchagg-aggregator`` reached through its control service. Blocking calls, each
     bounded by ``timeout``; a failure raises ControlError with the gRPC status."""
 
-    def __init__(self, target: str, secret: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, target: str, secret: str, timeout: float = DEFAULT_TIMEOUT_S, address: Address | None = None
+    ) -> None:
+        """``address``: where it takes packets, if known (else asked by Info on first use)."""
         self.target, self._secret, self.timeout = target, secret, timeout
         # A controller should see a restarted aggregator within seconds, not grpc's default
         # backoff of up to two minutes.
@@ -165,7 +168,7 @@ class RemoteAggregator:
             options=[("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)],
         )
         self._stub = pb_grpc.AggregatorControlStub(self._channel)
-        self._address: Address | None = None
+        self._address = address
 
     def _call(self, method: str, request: object) -> object:
         try:
@@ -178,12 +181,13 @@ class RemoteAggregator:
     def info(self) -> pb.InfoReply:
         reply = self._call("Info", pb.InfoRequest(secret=self._secret))
         assert isinstance(reply, pb.InfoReply)
-        self._address = (reply.ip, reply.udp_port)
+        if self._address is None:
+            self._address = (reply.ip, reply.udp_port)
         return reply
 
     @property
     def address(self) -> Address:
-        """Where the aggregator takes packets (asked once, then remembered)."""
+        """Where the aggregator takes packets (given, or asked once and remembered)."""
         if self._address is None:
             self.info()
         assert self._address is not None

@@ -85,7 +85,11 @@ def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: i
 
     procs = []
     for e in bed.endpoints:
-        env = {**os.environ, **worker_env(bed, e.index, workdir, port), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        env = {
+            **os.environ,
+            **worker_env(bed.endpoints, e.index, workdir, port),
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+        }
         procs.append(e.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
     outs = []
     deadline = time.monotonic() + timeout

@@ -170,3 +170,43 @@ def test_up_after_a_crash_sweeps_what_the_crashed_run_left(cli_env: dict[str, st
     assert f"{PREFIX}h" not in netns.sh("ip", "-o", "link", "show")
     assert sorted(_ours(PREFIX)) == [f"{PREFIX}h0", f"{PREFIX}h1", f"{PREFIX}sw"]
     assert _cli("status", "--name", NAME, env=env).returncode == 0
+
+
+def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: dict[str, str]) -> None:
+    env = cli_env
+    up = _cli("up", "--name", NAME, "--racks", "2,2", "--rate", "400", "--uplink-rate", "200", env=env)
+    assert up.returncode == 0, up.stderr
+    assert "leaves at 10.212.1.254, 10.212.2.254, spine at 10.212.0.254" in up.stdout
+    bad = _cli("up", "--name", "other", "--racks", "2,2", "--data-plane", "bmv2", env=env)
+    assert bad.returncode == 1 and "--data-plane soft" in bad.stderr
+
+    size = 200_000  # 800 kB per worker: the uplinks' share is measurable
+    script = (
+        "import os; from switchagg import Session; import numpy as np;"
+        "s = Session.from_job_service(os.environ['SWITCHAGG_JOB_SERVICE'], "
+        "open(os.environ['SWITCHAGG_SECRET_FILE']).read().strip(), 'racks', int(os.environ['WORLD_SIZE']), "
+        "rank=int(os.environ['RANK']), bind=(os.environ['SWITCHAGG_WORKER_BIND'], 0));"
+        f"x = np.arange({size}, dtype=np.int32) * (int(os.environ['RANK']) + 1); s.allreduce(x);"
+        f"print('sum-ok' if (x == np.arange({size}, dtype=np.int32) * 10).all() else 'sum-WRONG', "
+        "s.data_plane, '{ip}'); s.close()"
+    )
+    run = _cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(line for line in run.stdout.splitlines() if "sum-" in line)
+    assert lines == [
+        f"[h{i}] sum-ok two-level {ip}"
+        for i, ip in enumerate(["10.212.1.1", "10.212.1.2", "10.212.2.1", "10.212.2.2"])
+    ], run.stdout
+
+    status = _cli("status", "--name", NAME, "--json", env=env)
+    report = json.loads(status.stdout)
+    assert status.returncode == 0 and report["up"], status.stdout
+    assert set(report["processes"]) == {"spine", "rack0", "rack1", "service"}
+    workers, uplinks = report["links"][:4], report["links"][4:]
+    assert len(uplinks) == 2
+    for rack, uplink in enumerate(uplinks):  # a leaf sends one partial up for its two workers
+        rack_up = sum(w["up"]["bytes"] for w in workers[2 * rack : 2 * rack + 2])
+        assert 4 * size < uplink["up"]["bytes"] < 0.75 * rack_up, (uplink, rack_up)
+
+    down = _cli("down", "--name", NAME, env=env)
+    assert down.returncode == 0 and _ours(PREFIX) == []

@@ -6,6 +6,7 @@
         --master-addr {master} --master-port 29500 examples/train_digits.py --backend switchagg
     switchagg-testbed status
     switchagg-testbed down
+    switchagg-testbed up --racks 4,4 --rate 400 --uplink-rate 200   # two levels: leaves, a spine
 
 `up` builds the namespaces and links (switchagg.testbed.topology) and starts the job service
 (`switchagg-ctl serve`) in the switch namespace: with `--data-plane soft` it serves jobs on its
@@ -13,6 +14,11 @@ software aggregator at 10.201.0.254, with `bmv2` it programs simple_switch_grpc.
 command once per worker namespace, with RANK/WORLD_SIZE/MASTER_ADDR and the SWITCHAGG_* variables
 that point the torch backend at the job service; {rank}, {n}, {ip} and {master} in the command are
 replaced. `down` removes every namespace, link and process of the testbed, also after a crash.
+
+With `--racks`, the workers sit in racks behind leaf namespaces cabled to a spine namespace
+(switchagg.testbed.racks), worker links capped by `--rate` and uplinks by `--uplink-rate`; a
+software aggregator runs in each leaf and in the spine, and the job service in the spine installs
+two-level jobs on them through their control sockets (docs/CONTROLLER.md, Two levels in software).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
-from switchagg.testbed import netns, tools
-from switchagg.testbed.service import start_job_service, worker_env
+from switchagg.testbed import netns, racks, tools
+from switchagg.testbed.racks import SPINE_IP, Racks
+from switchagg.testbed.service import start_job_service, start_two_level_service, worker_env
 from switchagg.testbed.topology import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
 
 STATE_ROOT = Path(os.environ.get("SWITCHAGG_TESTBED_DIR", "/run/switchagg-testbed"))
@@ -54,16 +61,26 @@ def _prefix(name: str) -> str:
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "n": args.workers,
+        "n": sum(args.racks) if args.racks else args.workers,
         "data_plane": args.data_plane,
         "rate_mbit": args.rate,
         "mtu": args.mtu,
         "sw_k": args.sw_k,
         "sw_slots": args.sw_slots,
+        "racks": args.racks,
+        "uplink_rate_mbit": args.uplink_rate,
     }
 
 
-def _bed(name: str, spec: dict[str, Any]) -> Testbed:
+def _bed(name: str, spec: dict[str, Any]) -> Testbed | Racks:
+    if spec.get("racks"):
+        return Racks(
+            spec["racks"],
+            worker_mbit=spec["rate_mbit"],
+            uplink_mbit=spec["uplink_rate_mbit"],
+            mtu=spec["mtu"] or 9000,
+            prefix=_prefix(name),
+        )
     return Testbed(
         spec["n"],
         _dir(name),
@@ -109,8 +126,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if not 1 <= spec["n"] <= MAX_ENDPOINTS:
         raise CliError(f"-n must be within 1..{MAX_ENDPOINTS}")
-    if spec["rate_mbit"] is not None and spec["rate_mbit"] <= 0:
-        raise CliError("--rate must be positive (Mbit/s)")
+    for key, flag in (("rate_mbit", "--rate"), ("uplink_rate_mbit", "--uplink-rate")):
+        if spec[key] is not None and spec[key] <= 0:
+            raise CliError(f"{flag} must be positive (Mbit/s)")
+    if spec["racks"]:
+        if spec["data_plane"] != "soft":
+            raise CliError("--racks runs software leaves and spine: --data-plane soft")
+        if not 1 <= len(spec["racks"]) <= racks.MAX_RACKS:
+            raise CliError(f"--racks names 1..{racks.MAX_RACKS} racks")
+    elif spec["uplink_rate_mbit"] is not None:
+        raise CliError("--uplink-rate needs --racks")
     _check_tools(spec)
     state = _load(args.name)
     if state is not None and _healthy(args.name, state):
@@ -124,19 +149,29 @@ def cmd_up(args: argparse.Namespace) -> int:
     bed = _bed(args.name, spec)
     try:
         bed.start()
-        service = start_job_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
+        if isinstance(bed, Racks):
+            pids = start_two_level_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
+        else:
+            pids = {"service": start_job_service(bed, workdir, spec["sw_k"], spec["sw_slots"]).pid}
+            if bed.switch is not None and bed.switch.pid:
+                pids["bmv2"] = bed.switch.pid
     except BaseException:
         _down(args.name)
         raise
-    pids = {"service": service.pid}
-    if bed.switch is not None and bed.switch.pid:
-        pids["bmv2"] = bed.switch.pid
     state = {"spec": spec, "prefix": bed.prefix, "pids": pids, "created": time.time()}
     (workdir / "state.json").write_text(json.dumps(state, indent=1))
     rate = f"{spec['rate_mbit']} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    workers = ", ".join(e.ip for e in bed.endpoints)
+    if isinstance(bed, Racks):
+        uplinks = f"{spec['uplink_rate_mbit']} Mbit/s" if spec["uplink_rate_mbit"] else "uncapped"
+        where = (
+            f"racks {spec['racks']}, leaves at {', '.join(leaf.worker_ip for leaf in bed.leaves)}, "
+            f"spine at {SPINE_IP}, worker links {rate}, uplinks {uplinks}"
+        )
+    else:
+        where = f"{spec['data_plane']} data plane at {AGG_IP}, links {rate}"
     print(
-        f"testbed {args.name}: {spec['n']} workers ({', '.join(e.ip for e in bed.endpoints)}), "
-        f"{spec['data_plane']} data plane at {AGG_IP}, links {rate}, MTU {bed.mtu}; "
+        f"testbed {args.name}: {spec['n']} workers ({workers}), {where}, MTU {bed.mtu}; "
         f"job service unix:{workdir / 'jobs.sock'}"
     )
     return 0
@@ -147,7 +182,7 @@ def _down(name: str) -> list[str]:
     for pid in (state or {}).get("pids", {}).values():
         if netns.pid_alive(pid) and _group_leader(pid):  # started in a session of its own by `up`
             os.killpg(pid, signal.SIGKILL)
-    gone = remove(_prefix(name))
+    gone = remove(_prefix(name)) + racks.remove(_prefix(name))
     shutil.rmtree(_dir(name), ignore_errors=True)
     return gone
 
@@ -200,10 +235,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         + ", ".join(f"{k} {'running' if v else 'GONE'}" for k, v in report["processes"].items())
     )
     print(f"  job service: {report['service']}")
-    for e, link in zip(bed.endpoints, report["links"], strict=False):
+    names = [(f"h{e.index}", e.ip) for e in bed.endpoints]
+    if isinstance(bed, Racks):
+        names += [(f"up{leaf.index}", f"rack{leaf.index}") for leaf in bed.leaves]
+    for (label, where), link in zip(names, report["links"], strict=False):
         up, down = link["up"], link["down"]
         print(
-            f"  h{e.index} {e.ip:<12} up {up['bytes'] / 1e6:10.1f} MB ({up['dropped']} dropped)"
+            f"  {label:<4} {where:<12} up {up['bytes'] / 1e6:10.1f} MB ({up['dropped']} dropped)"
             f"  down {down['bytes'] / 1e6:10.1f} MB ({down['dropped']} dropped)"
         )
     return 0 if report["up"] else 1
@@ -231,7 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     workdir = _dir(args.name)
     procs: list[subprocess.Popen[str]] = []
     for e in bed.endpoints:
-        env = {**os.environ, **worker_env(bed, e.index, workdir, args.master_port)}
+        env = {**os.environ, **worker_env(bed.endpoints, e.index, workdir, args.master_port)}
         values = {"rank": str(e.index), "n": str(bed.n), "ip": e.ip, "master": bed.endpoints[0].ip}
         procs.append(
             e.popen(
@@ -286,6 +324,16 @@ def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, grace: float) 
     return code or next((p.returncode for p in procs if p.returncode), 0)
 
 
+def _racks(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--racks {text!r}: expected workers per rack, e.g. 4,4") from None
+    if not all(1 <= c <= 32 for c in counts) or sum(counts) > MAX_ENDPOINTS:
+        raise argparse.ArgumentTypeError(f"--racks {text!r}: 1..32 workers per rack, {MAX_ENDPOINTS} in all")
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchagg-testbed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -299,7 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = named(sub.add_parser("up", help="build the testbed and start its job service (idempotent)"))
     p.add_argument("-n", "--workers", type=int, default=4, help="worker namespaces (default %(default)s)")
     p.add_argument("--data-plane", choices=DATA_PLANES, default="soft", help="default %(default)s")
-    p.add_argument("--rate", type=float, metavar="MBIT", help="cap every link at MBIT Mbit/s each way (tbf)")
+    p.add_argument(
+        "--rate", type=float, metavar="MBIT", help="cap every (worker) link at MBIT Mbit/s each way (tbf)"
+    )
+    p.add_argument(
+        "--racks", type=_racks, metavar="N,N,...", help="workers per rack: leaves behind a spine (two levels)"
+    )
+    p.add_argument("--uplink-rate", type=float, metavar="MBIT", help="with --racks: cap each leaf's uplink")
     p.add_argument("--mtu", type=int, help="link MTU (default 9000 soft, 1500 bmv2)")
     p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K of the software aggregator")
     p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")

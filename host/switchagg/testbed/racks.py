@@ -10,7 +10,8 @@ links and uplinks are capped separately (an uplink below the worker links is the
 fabric hierarchical aggregation is for).
 
 Nothing is routed outside the namespaces. Testbeds are named by the pid of the process that built
-them; the next one sweeps those whose process is gone.
+them; the next one sweeps those whose process is gone. One given a ``prefix`` (switchagg-testbed
+up --racks) lives until ``remove(prefix)``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ from switchagg.testbed.netns import Endpoint, sh
 
 SPINE_IP = "10.212.0.254"
 _PREFIX = re.compile(r"^sar(\d+)x\d+(sp|l\d+|h\d+)$")
+NAMES = r"(sp|l\d+|h\d+)"  # a racks testbed's namespaces after its prefix
 _counter = itertools.count(1)
 MAX_RACKS = 8
+
+
+def remove(prefix: str) -> list[str]:
+    """Removes every namespace and leftover link of the racks testbed ``prefix``."""
+    return netns.remove_matching(re.compile(rf"^{re.escape(prefix)}{NAMES}$"))
 
 
 def rack_ip(rack: int, host: int) -> str:
@@ -62,12 +69,14 @@ class Racks:
         worker_mbit: float | None = None,
         uplink_mbit: float | None = None,
         mtu: int = 9000,
+        prefix: str | None = None,
     ) -> None:
         if not 1 <= len(racks) <= MAX_RACKS or not all(1 <= n <= 32 for n in racks):
             raise ValueError(f"1..{MAX_RACKS} racks of 1..32 workers, not {racks}")
         self.racks = racks
         self.worker_mbit, self.uplink_mbit, self.mtu = worker_mbit, uplink_mbit, mtu
-        self.prefix = f"sar{os.getpid()}x{next(_counter)}"
+        self.owned = prefix is None  # named by this process: swept once it is gone
+        self.prefix = prefix if prefix is not None else f"sar{os.getpid()}x{next(_counter)}"
         self.spine_ns = f"{self.prefix}sp"
         self.workers: list[Endpoint] = []
         self.rack_of: list[int] = []
@@ -121,8 +130,42 @@ class Racks:
             netns.cap_rate(ns_a, if_a, mbit)
             netns.cap_rate(ns_b, if_b, mbit)
 
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The workers (as Testbed.endpoints: what switchagg-testbed run starts commands in)."""
+        return self.workers
+
+    @property
+    def n(self) -> int:
+        return len(self.workers)
+
+    def built(self) -> bool:
+        return self.spine_ns in netns.namespaces()
+
+    def link_stats(self) -> list[dict[str, dict[str, int]]]:
+        """Per worker, then per leaf uplink: what the link's two qdiscs sent and dropped (``up`` =
+        towards the leaf, or the spine)."""
+        workers = [
+            {
+                "up": netns.link_stats(w.ns, w.ifname),
+                "down": netns.link_stats(self.leaves[r].ns, f"p{w.port}"),
+            }
+            for w, r in zip(self.workers, self.rack_of, strict=True)
+        ]
+        uplinks = [
+            {
+                "up": netns.link_stats(leaf.ns, "up0"),
+                "down": netns.link_stats(self.spine_ns, f"u{leaf.index}"),
+            }
+            for leaf in self.leaves
+        ]
+        return workers + uplinks
+
     def start(self) -> None:
-        netns.sweep_dead_owners(_PREFIX)
+        if self.owned:
+            netns.sweep_dead_owners(_PREFIX)
+        elif self.built():
+            raise netns.TestbedError(f"testbed {self.prefix} exists already")
         self._ns(self.spine_ns)
         self._bridge(self.spine_ns, SPINE_IP)
         for leaf in self.leaves:

@@ -48,7 +48,8 @@ def _offload_off(ns: str, ifname: str) -> None:
 
 
 def egress_loss(ns: str, ifname: str, percent: int) -> None:
-    """Drops ``percent``% of the aggregation packets leaving ``ifname`` (0: none)."""
+    """Drops ``percent``% of the aggregation packets leaving ``ifname`` (0: none). On an uplink
+    both directions go to port 48879: partials to the spine's, results to the leaf's."""
     table = f"saloss_{ifname}"
     sh("nft", f"delete table netdev {table}", ns=ns, check=False)
     if percent == 0:
@@ -58,8 +59,7 @@ def egress_loss(ns: str, ifname: str, percent: int) -> None:
         f"table netdev {table} {{\n"
         f"  chain outbound {{\n    type filter hook egress device {ifname} priority 0;\n"
         "    policy accept;\n"
-        f"    udp dport {port} numgen random mod 100 < {percent} counter drop\n"
-        f"    udp sport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
+        f"    udp dport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
         "}\n"
     )
     sh("nft", "-f", "-", ns=ns, stdin=rules, timeout=30)

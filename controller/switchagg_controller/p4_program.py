@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from switchagg import protocol
@@ -85,6 +85,27 @@ class LeafRole:
     spine_mac: str
     spine_ip: str
     spine_udp_port: int = protocol.UDP_PORT
+
+
+def leaf_view(job: Job, leaf: Topology, spine: Topology, index: int) -> tuple[Job, LeafRole]:
+    """Leaf ``index`` of a two-level job: its local ranks, and its uplink to the spine's aggregator."""
+    if leaf.uplink is None or leaf.uplink.switch != spine.name:
+        raise ProgramError(f"switch {leaf.name} has no uplink to {spine.name}")
+    local = tuple(w for w in job.workers if leaf.host_by_ip(w.ip) is not None)
+    role = LeafRole(index, leaf.uplink.port, spine.aggregator_mac, spine.aggregator_ip, spine.udp_port)
+    return replace(job, workers=local), role
+
+
+def spine_view(job: Job, leaves: list[Topology]) -> Job:
+    """The spine's job: rank l is leaf l (its aggregator address, on the spine's port of its uplink)."""
+    ranks = []
+    for index, leaf in enumerate(leaves):
+        if leaf.uplink is None:
+            raise ProgramError(f"switch {leaf.name} has no uplink")
+        ranks.append(
+            WorkerAddr(index, leaf.aggregator_ip, leaf.udp_port, leaf.aggregator_mac, leaf.uplink.spine_port)
+        )
+    return replace(job, n=len(leaves), workers=tuple(ranks))
 
 
 def job_group(job: Job) -> int:

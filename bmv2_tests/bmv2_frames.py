@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scapy.layers.inet import IP, UDP
@@ -176,18 +176,20 @@ def frame_problems(frame: bytes, e: Endpoint) -> list[str]:
 
 
 def counters(
-    switch: object, job_indices: Mapping[int, int]
+    switch: object, job_indices: Mapping[int, int], leaf_jobs: Collection[int] = ()
 ) -> tuple[dict[str, int], dict[int, dict[str, int]]]:
-    """Drop counts by reason and per-job counts (keyed by job id) read through P4Runtime."""
+    """Drop counts by reason and per-job counts (keyed by job id) read through P4Runtime; the
+    jobs in ``leaf_jobs`` (aggregated as a leaf of two levels) with the leaf counters too."""
     read = switch.read_counter  # type: ignore[attr-defined]
     drops_raw = read(p4_program.DROP_COUNTER)
     drops = {r: _packets(drops_raw.get(i, (0, 0))) for r, i in protocol.DROP_INDEX.items()}
     jobs: dict[int, dict[str, int]] = {}
     for job_id, index in job_indices.items():
-        jobs[job_id] = {
-            name: _packets(read(p4_program.JOB_COUNTER_NAMES[name], index)[index])
-            for name in protocol.JOB_COUNTERS
+        names = {
+            **p4_program.JOB_COUNTER_NAMES,
+            **(p4_program.LEAF_COUNTER_NAMES if job_id in leaf_jobs else {}),
         }
+        jobs[job_id] = {name: _packets(read(counter, index)[index]) for name, counter in names.items()}
     return drops, jobs
 
 

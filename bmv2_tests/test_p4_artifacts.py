@@ -85,10 +85,13 @@ def test_p4info_has_every_name_the_controller_uses() -> None:
         p4_program.RESULT_TABLE,
         p4_program.DROP_COUNTER,
         *p4_program.JOB_COUNTER_NAMES.values(),
+        *p4_program.LEAF_COUNTER_NAMES.values(),
+        *p4_program.REGISTERS,
         "MyIngress.l2_unicast",
         "MyIngress.l2_broadcast",
         "MyIngress.to_aggregator",
         "MyIngress.set_job",
+        "MyIngress.set_leaf_job",
         "MyIngress.set_worker",
         "MyEgress.set_result_dst",
     ]

@@ -1,5 +1,10 @@
 /* switchagg: in-network integer aggregation (docs/PROTOCOL.md), P4_16 for v1model / bmv2.
  *
+ * One program for both levels of docs/PROTOCOL.md "Two levels": a job installed with set_job is
+ * aggregated here completely (one level, or the spine of a two-level job, whose ranks are the
+ * leaves); a job installed with set_leaf_job is summed over its local ranks and the partial goes
+ * up to the spine, whose RESULT this switch stores and multicasts to the local ranks.
+ *
  * Aggregation packets (UDP to the aggregator address, port 48879) are summed in registers;
  * everything else is forwarded by an L2 table so the job's ordinary traffic (ARP, TCP
  * rendezvous) crosses the same switch. The names below are what
@@ -33,10 +38,12 @@ const bit<32> DROP_TRUNCATED   = 6;
 const bit<32> NUM_DROP_REASONS = 7;
 
 /* What aggregate_slot decided for a DATA packet. */
-const bit<2> OUT_AGGREGATED      = 0;
-const bit<2> OUT_MULTICAST       = 1;
-const bit<2> OUT_RESENT          = 2;
-const bit<2> OUT_RETRANS_IGNORED = 3;
+const bit<3> OUT_AGGREGATED      = 0;
+const bit<3> OUT_MULTICAST       = 1;
+const bit<3> OUT_RESENT          = 2;
+const bit<3> OUT_RETRANS_IGNORED = 3;
+const bit<3> OUT_UPSTREAM        = 4;    /* leaf: the local slot completed, the partial goes up */
+const bit<3> OUT_UPSTREAM_RESENT = 5;    /* leaf: the first local rank's resend to a waiting slot */
 
 /* The K = 64 payload values are separate header fields (so the parser, the checksum and the
  * aggregation action can name them); this X-macro repeats a statement for each index. */
@@ -129,13 +136,26 @@ struct metadata_t {
     bit<16> slot_count;
     bit<16> generation;
     bit<32> counter_index;
+    /* from the job table, a leaf's job only (set_job: leaf = 0, m = n) */
+    bit<1>  leaf;
+    bit<8>  m;                /* local ranks: a slot is complete when all m contributed */
+    bit<16> first_local;      /* the lowest local rank: only its resends re-send the partial */
+    bit<16> leaf_index;       /* this leaf's rank at the spine */
+    port_t  up_port;          /* the port towards the spine */
+    mac_t   spine_mac;
+    ip4_t   spine_ip;
+    bit<16> spine_udp_port;
     /* from the worker table */
     bit<1>  worker_found;
     port_t  worker_port;
     ip4_t   worker_ip;
     bit<16> worker_udp_port;
     /* the aggregation decision, carried into egress (copied into multicast replicas) */
-    bit<2>  outcome;
+    bit<3>  outcome;
+    bit<1>  stored;           /* a spine RESULT was the answer to this leaf's partial */
+    bit<32> partial_offset;   /* offset and flags of the partial this leaf sent up */
+    bit<8>  partial_flags;
+    bit<1>  to_spine;
     bit<1>  is_result;
     bit<1>  multicast;
     bit<1>  l2_flood;
@@ -215,12 +235,19 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     register<bit<8>>(NUM_SETS) count;
     register<bit<8>>(NUM_SETS) max_exp;
     register<bit<32>>(NUM_SETS * 64) values;
+    /* Leaf jobs only: the set holds the spine's result; the offset and flags of its partial. */
+    register<bit<1>>(NUM_SETS) final;
+    register<bit<32>>(NUM_SETS) partial_offset;
+    register<bit<8>>(NUM_SETS) partial_flags;
 
     counter(NUM_DROP_REASONS, CounterType.packets_and_bytes) drops;
     counter(MAX_JOBS, CounterType.packets_and_bytes) aggregated;
     counter(MAX_JOBS, CounterType.packets_and_bytes) multicast;
     counter(MAX_JOBS, CounterType.packets_and_bytes) resent;
     counter(MAX_JOBS, CounterType.packets_and_bytes) retrans_ignored;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) upstream;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) upstream_resent;
+    counter(MAX_JOBS, CounterType.packets_and_bytes) stale_results;
 
     action drop() {
         mark_to_drop(standard_metadata);
@@ -276,6 +303,24 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         meta.slot_count = slot_count;
         meta.generation = generation;
         meta.counter_index = counter_index;
+        meta.leaf = 0;
+        meta.m = n;
+    }
+
+    /* A leaf of a two-level job: n is the job's total (ranks are job ranks), m of them are local. */
+    action set_leaf_job(bit<8> n, bit<8> m, bit<16> first_local, bit<16> leaf_index, bit<16> mgrp,
+                        bit<16> slot_base, bit<16> slot_count, bit<16> generation,
+                        bit<32> counter_index, port_t up_port, mac_t spine_mac, ip4_t spine_ip,
+                        bit<16> spine_udp_port) {
+        set_job(n, mgrp, slot_base, slot_count, generation, counter_index);
+        meta.leaf = 1;
+        meta.m = m;
+        meta.first_local = first_local;
+        meta.leaf_index = leaf_index;
+        meta.up_port = up_port;
+        meta.spine_mac = spine_mac;
+        meta.spine_ip = spine_ip;
+        meta.spine_udp_port = spine_udp_port;
     }
 
     action unknown_job() {
@@ -284,7 +329,7 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
 
     table job_table {
         key = { hdr.agg.job: exact @name("job"); }
-        actions = { set_job; unknown_job; }
+        actions = { set_job; set_leaf_job; unknown_job; }
         default_action = unknown_job();
         size = MAX_JOBS;
     }
@@ -344,6 +389,17 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         bm_o = fresh ? 32w0 : bm_o;
         cnt_s = fresh ? 8w0 : cnt_s;
         cnt_o = fresh ? 8w0 : cnt_o;
+        /* Leaf state (written for every job; only a leaf's job reads it). */
+        bit<1> fin_s;
+        bit<1> fin_o;
+        bit<32> po;
+        bit<8> pf;
+        final.read(fin_s, si);
+        final.read(fin_o, so);
+        partial_offset.read(po, si);
+        partial_flags.read(pf, si);
+        fin_s = fresh ? 1w0 : fin_s;
+        fin_o = fresh ? 1w0 : fin_o;
 
         bit<32> me = 32w1 << (bit<8>)hdr.agg.rank;
         bool is_new = (bm_s & me) == 0;
@@ -354,22 +410,89 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         /* signed max: flipping the sign bit maps int8 order onto unsigned order */
         bool pkt_bigger = (hdr.agg.exp ^ 0x80) > (e_s ^ 0x80);
         e_s = is_new ? ((first || pkt_bigger) ? hdr.agg.exp : e_s) : e_s;
+        bool opens = is_new && first;    /* the first contribution of a round on this set */
+        fin_s = opens ? 1w0 : fin_s;
+        po = opens ? hdr.agg.offset : po;
+        pf = opens ? hdr.agg.flags : pf;
 
         bitmap.write(si, bm_s);
         bitmap.write(so, bm_o);
         count.write(si, cnt_s);
         count.write(so, cnt_o);
         max_exp.write(si, e_s);
+        final.write(si, fin_s);
+        final.write(so, fin_o);
+        partial_offset.write(si, po);
+        partial_flags.write(si, pf);
 
         bit<32> base = si * 64;
         bit<32> old;
         bit<32> sum;
         FOR_EACH_VALUE(VALUE_UPDATE)
 
-        bool complete = cnt_s == meta.n;
-        meta.outcome = is_new ? (complete ? OUT_MULTICAST : OUT_AGGREGATED)
-                              : (complete ? OUT_RESENT : OUT_RETRANS_IGNORED);
+        /* One level: complete when all n contributed. A leaf: when all m local ranks did; it
+         * answers a resend itself only once the spine's result is in (final). */
+        bool complete = cnt_s == meta.m;
+        bool leaf = meta.leaf == 1;
+        bool first_local = hdr.agg.rank == meta.first_local;
+        bit<3> resend = (leaf && fin_s == 1) ? OUT_RESENT
+                      : (!complete ? OUT_RETRANS_IGNORED
+                      : (!leaf ? OUT_RESENT
+                      : (first_local ? OUT_UPSTREAM_RESENT : OUT_RETRANS_IGNORED)));
+        meta.outcome = is_new ? (complete ? (leaf ? OUT_UPSTREAM : OUT_MULTICAST) : OUT_AGGREGATED)
+                              : resend;
+        meta.partial_offset = po;
+        meta.partial_flags = pf;
         hdr.agg.exp = e_s;
+    }
+
+#define VALUE_STORE(i) \
+        values.read(old, base + i); \
+        values.write(base + i, ok ? hdr.vals.v##i : old);
+
+    /* A leaf takes the spine's RESULT for a slot only as the answer to its partial: the slot is
+     * of this installation, locally complete, not final yet, and the offset and flags match the
+     * partial's. Then the result replaces the partial and the set is final. */
+    action store_result() {
+        bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
+        bit<32> si = 2 * slot + (bit<32>)(hdr.agg.pool >> 15);
+        bit<16> gen;
+        bit<8> cnt_s;
+        bit<1> fin_s;
+        bit<32> po;
+        bit<8> pf;
+        bit<8> e_s;
+        slot_gen.read(gen, slot);
+        count.read(cnt_s, si);
+        final.read(fin_s, si);
+        partial_offset.read(po, si);
+        partial_flags.read(pf, si);
+        max_exp.read(e_s, si);
+        bool ok = gen == meta.generation && cnt_s == meta.m && fin_s == 0
+                  && hdr.agg.offset == po && hdr.agg.flags == pf;
+        final.write(si, ok ? 1w1 : fin_s);
+        max_exp.write(si, ok ? hdr.agg.exp : e_s);
+        bit<32> base = si * 64;
+        bit<32> old;
+        FOR_EACH_VALUE(VALUE_STORE)
+        meta.stored = ok ? 1w1 : 1w0;
+    }
+
+    /* Turn the DATA packet into this leaf's partial for the spine: a worker's DATA with rank = the
+     * leaf index, the slot's value and exponent (aggregate_slot left them in the header), and the
+     * offset and flags of the round's first contribution; from this leaf's address. */
+    action make_partial() {
+        meta.to_spine = 1;
+        hdr.agg.rank = meta.leaf_index;
+        hdr.agg.offset = meta.partial_offset;
+        hdr.agg.flags = meta.partial_flags;
+        hdr.ethernet.dstAddr = meta.spine_mac;
+        hdr.ethernet.srcAddr = meta.agg_mac;
+        hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
+        hdr.ipv4.dstAddr = meta.spine_ip;
+        hdr.udp.srcPort = UDP_PORT;
+        hdr.udp.dstPort = meta.spine_udp_port;
+        standard_metadata.egress_spec = meta.up_port;
     }
 
     /* Turn the DATA packet into a RESULT from the aggregator; egress sets the destination. */
@@ -414,19 +537,31 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
             drop_for(DROP_TRUNCATED);
         } else if (hdr.agg.version != VERSION) {
             drop_for(DROP_BAD_VERSION);
-        } else if (hdr.agg.type != MSG_DATA) {
+        } else if (hdr.agg.type != MSG_DATA && hdr.agg.type != MSG_RESULT) {
             drop_for(DROP_BAD_TYPE);
         } else {
             job_table.apply();
-            if (meta.job_found == 0) {
+            bool data = hdr.agg.type == MSG_DATA;
+            if (data && meta.job_found == 0) {
                 drop_for(DROP_UNKNOWN_JOB);
-            } else if (hdr.agg.rank >= (bit<16>)meta.n) {
+            } else if (!data && (meta.job_found == 0 || meta.leaf == 0)) {
+                drop_for(DROP_BAD_TYPE);  /* a RESULT only for a job aggregated here as a leaf */
+            } else if (data && hdr.agg.rank >= (bit<16>)meta.n) {
+                drop_for(DROP_BAD_RANK);
+            } else if (!data && hdr.agg.rank != meta.leaf_index) {
                 drop_for(DROP_BAD_RANK);
             } else {
-                worker_table.apply();
-                /* A rank is its ingress port and its address (IPv4, UDP port), as registered. */
-                if (meta.worker_found == 0 || standard_metadata.ingress_port != meta.worker_port
-                        || hdr.ipv4.srcAddr != meta.worker_ip || hdr.udp.srcPort != meta.worker_udp_port) {
+                if (data) {
+                    worker_table.apply();
+                }
+                /* A rank is its ingress port and its address (IPv4, UDP port), as registered; the
+                 * spine is the upstream port and its address. */
+                bool authentic = (data && meta.worker_found == 1
+                        && standard_metadata.ingress_port == meta.worker_port
+                        && hdr.ipv4.srcAddr == meta.worker_ip && hdr.udp.srcPort == meta.worker_udp_port)
+                    || (!data && standard_metadata.ingress_port == meta.up_port
+                        && hdr.ipv4.srcAddr == meta.spine_ip && hdr.udp.srcPort == meta.spine_udp_port);
+                if (!authentic) {
                     drop_for(DROP_SPOOFED);
                 } else if (((hdr.agg.pool & POOL_SLOT_MASK) - meta.slot_base) >= meta.slot_count) {
                     drop_for(DROP_BAD_POOL);  /* unsigned wrap-around makes this a range check */
@@ -434,6 +569,17 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
                         || standard_metadata.parser_error != error.NoError
                         || hdr.ipv4.totalLen != AGG_IP_LEN) {
                     drop_for(DROP_TRUNCATED);
+                } else if (!data) {
+                    store_result();
+                    if (meta.stored == 1) {
+                        multicast.count(meta.counter_index);
+                        make_result();
+                        meta.multicast = 1;
+                        standard_metadata.mcast_grp = meta.mgrp;
+                    } else {
+                        stale_results.count(meta.counter_index);
+                        drop();
+                    }
                 } else {
                     aggregate_slot();
                     if (meta.outcome == OUT_MULTICAST) {
@@ -442,6 +588,13 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
                         make_result();
                         meta.multicast = 1;
                         standard_metadata.mcast_grp = meta.mgrp;
+                    } else if (meta.outcome == OUT_UPSTREAM) {
+                        aggregated.count(meta.counter_index);
+                        upstream.count(meta.counter_index);
+                        make_partial();
+                    } else if (meta.outcome == OUT_UPSTREAM_RESENT) {
+                        upstream_resent.count(meta.counter_index);
+                        make_partial();
                     } else if (meta.outcome == OUT_RESENT) {
                         resent.count(meta.counter_index);
                         make_result();
@@ -506,8 +659,8 @@ control MyComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
               hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.fragOffset, hdr.ipv4.ttl,
               hdr.ipv4.protocol, hdr.ipv4.srcAddr, hdr.ipv4.dstAddr },
             hdr.ipv4.hdrChecksum, HashAlgorithm.csum16);
-        /* Results are fully parsed (UDP length is checked), so the payload is all fields. */
-        update_checksum(meta.is_result == 1,
+        /* Results and partials are fully parsed (UDP length is checked): the payload is all fields. */
+        update_checksum(meta.is_result == 1 || meta.to_spine == 1,
             { hdr.ipv4.srcAddr, hdr.ipv4.dstAddr, 8w0, hdr.ipv4.protocol, hdr.udp.length_,
               hdr.udp.srcPort, hdr.udp.dstPort, hdr.udp.length_,
               hdr.agg.version, hdr.agg.type, hdr.agg.flags, hdr.agg.exp, hdr.agg.job,

@@ -126,7 +126,7 @@ def test_two_level_vector(vector: Vector, aggregator: SoftwareAggregator) -> Non
 
 def test_vectors_fit_the_p4_switch() -> None:
     """The bmv2 suite runs these vectors unchanged: K = 64, n <= 4, slots inside the P4 pool (the
-    two-level ones too, for a P4 leaf role)."""
+    two-level ones too, for the P4 leaf role)."""
     for v in VECTORS + TWO_LEVEL:
         assert v.k == P4_K, v.name
         jobs = list(v.jobs) + [s.job for s in v.steps if isinstance(s, Install)]

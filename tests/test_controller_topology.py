@@ -187,7 +187,7 @@ def test_several_switches() -> None:
          "net.yaml:9: switches[1].address: unix:/run/s1.sock device 0 is switch 's1' too"),
         ("    cpu_port: 192\n", "    cpu_port: 192\n    colour: red\n",
          "net.yaml:14: switches[1].colour: unknown field "
-         "(known: name, address, device_id, aggregator, hosts, election_id, cpu_port)"),
+         "(known: name, address, device_id, aggregator, hosts, election_id, cpu_port, uplink)"),
         ("    device_id: 0\n    election_id", "    election_id",
          "net.yaml:8: switches[1]: missing field 'device_id'"),
     ],
@@ -199,3 +199,73 @@ def test_bad_lists_of_switches(old: str, new: str, message: str) -> None:
     with pytest.raises(TopologyError) as e:
         parse_topologies(SEVERAL.replace(old, new, 1), "net.yaml")
     assert str(e.value) == message
+
+
+LEAVES = """\
+switches:
+  - name: spine
+    address: unix:/run/sp.sock
+    device_id: 0
+    aggregator: {ip: 10.0.9.254, mac: "02:00:00:00:09:fe"}
+    hosts: []
+  - name: l0
+    address: unix:/run/l0.sock
+    device_id: 0
+    aggregator: {ip: 10.0.0.254, mac: "02:00:00:00:00:fe"}
+    uplink: {switch: spine, port: 100, spine_port: 1}
+    hosts:
+      - {name: h0, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
+  - name: l1
+    address: unix:/run/l1.sock
+    device_id: 0
+    aggregator: {ip: 10.0.1.254, mac: "02:00:00:00:01:fe"}
+    uplink: {switch: spine, port: 100, spine_port: 2}
+    hosts:
+      - {name: h1, port: 1, mac: "02:00:00:00:01:01", ip: 10.0.1.1}
+"""
+
+
+def test_leaves_with_uplinks_to_a_spine_without_hosts() -> None:
+    from switchagg_controller.model import Uplink
+    from switchagg_controller.topology import dump_topologies, parse_topologies
+
+    spine, l0, l1 = parse_topologies(LEAVES, "net.yaml")
+    assert spine.hosts == () and spine.uplink is None
+    assert l0.uplink == Uplink("spine", 100, 1) and l1.uplink == Uplink("spine", 100, 2)
+    assert parse_topologies(dump_topologies([spine, l0, l1])) == [spine, l0, l1]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: nope, port: 100, spine_port: 2}",
+         "net.yaml:18: switches[2].uplink: 'nope' is not another switch of the topology"),
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: l1, port: 100, spine_port: 2}",
+         "net.yaml:18: switches[2].uplink: 'l1' is not another switch of the topology"),
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: l0, port: 100, spine_port: 2}",
+         "net.yaml:18: switches[2].uplink: 'l0' is a leaf itself (two levels only)"),
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: spine, port: 100, spine_port: 1}",
+         "net.yaml:18: switches[2].uplink: port 1 of 'spine' is the uplink of 'l0' already"),
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: spine, port: 1, spine_port: 2}",
+         "net.yaml:18: switches[2].uplink: port 1 of 'l1' is host 'h1' already"),
+        ("{switch: spine, port: 100, spine_port: 2}", "{switch: spine, port: 100}",
+         "net.yaml:18: switches[2].uplink: missing field 'spine_port'"),
+    ],
+)  # fmt: skip
+def test_bad_uplinks(old: str, new: str, message: str) -> None:
+    from switchagg_controller.topology import parse_topologies
+
+    assert old in LEAVES
+    with pytest.raises(TopologyError) as e:
+        parse_topologies(LEAVES.replace(old, new, 1), "net.yaml")
+    assert str(e.value) == message
+
+
+def test_a_switch_without_hosts_must_be_a_spine() -> None:
+    from switchagg_controller.topology import parse_topologies
+
+    text = LEAVES.replace("    uplink: {switch: spine, port: 100, spine_port: 1}\n", "").replace(
+        "    uplink: {switch: spine, port: 100, spine_port: 2}\n", ""
+    )
+    with pytest.raises(TopologyError, match="switches\\[0\\].hosts: at least one host is needed"):
+        parse_topologies(text, "net.yaml")

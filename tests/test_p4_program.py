@@ -110,3 +110,76 @@ def test_names_exist_in_the_p4_source() -> None:
     assert f"const bit<32> MAX_JOBS    = {p4.MAX_JOBS};" in src
     for reason, index in protocol.DROP_INDEX.items():
         assert re.search(rf"const bit<32> DROP_{reason.upper()}\s*= {index};", src), reason
+
+
+LEAF = p4.LeafRole(
+    index=1, up_port=9, spine_mac="02:00:00:00:01:fe", spine_ip="10.9.1.254", spine_udp_port=48879
+)
+
+
+def _leaf_job() -> Job:
+    """Job 7 of n = 5 with ranks 2 and 4 behind this switch (hosts h1 and h2)."""
+    return _job(n=5, workers=(WorkerAddr(4, "10.9.0.3", 40004), WorkerAddr(2, "10.9.0.2", 40002)))
+
+
+def test_leaf_job_entry_names_local_count_first_rank_and_spine() -> None:
+    entries, groups = p4.job_state(_leaf_job(), _topology(), LEAF)
+    job_entry = next(e for e in entries if e.table == p4.JOB_TABLE)
+    assert job_entry.action == "MyIngress.set_leaf_job"
+    assert dict(job_entry.params) == {
+        "n": 5,
+        "m": 2,
+        "first_local": 2,
+        "leaf_index": 1,
+        "mgrp": p4.JOB_GROUP_BASE,
+        "slot_base": 16,
+        "slot_count": 8,
+        "generation": 5,
+        "counter_index": 0,
+        "up_port": 9,
+        "spine_mac": 0x0200000001FE,
+        "spine_ip": 0x0A0901FE,
+        "spine_udp_port": 48879,
+    }
+    # Only the local ranks have worker and result entries and multicast replicas.
+    assert sorted(dict(e.match)["rank"] for e in entries if e.table == p4.WORKER_TABLE) == [2, 4]
+    assert sorted(dict(e.match)["rank"] for e in entries if e.table == p4.RESULT_TABLE) == [2, 4]
+    assert groups[0].replicas == ((2, 2), (3, 4))
+
+
+def test_desired_state_installs_leaf_roles_by_job_id() -> None:
+    state = p4.desired_state(_topology(), [_leaf_job()], {7: LEAF})
+    assert [e.action for e in state.entries if e.table == p4.JOB_TABLE] == ["MyIngress.set_leaf_job"]
+    with pytest.raises(p4.ProgramError, match="not installed"):
+        p4.desired_state(_topology(), [_leaf_job()], {8: LEAF})
+    with pytest.raises(p4.ProgramError, match="each rank"):
+        p4.desired_state(_topology(), [_leaf_job()])  # without its role the job lacks ranks
+
+
+@pytest.mark.parametrize(
+    ("role", "workers", "message"),
+    [
+        (LEAF, (), "local ranks"),
+        (LEAF, (WorkerAddr(5, "10.9.0.2", 1),), "local ranks"),
+        (replace(LEAF, index=32), None, "leaf index"),
+        (replace(LEAF, up_port=511), None, "upstream port"),
+        (replace(LEAF, spine_udp_port=0), None, "spine UDP port"),
+        (replace(LEAF, spine_mac="nope"), None, "bad MAC"),
+    ],
+)
+def test_refuses_leaf_roles_the_program_cannot_run(
+    role: p4.LeafRole, workers: tuple[WorkerAddr, ...] | None, message: str
+) -> None:
+    job = _leaf_job() if workers is None else replace(_leaf_job(), workers=workers)
+    with pytest.raises(p4.ProgramError, match=message):
+        p4.job_state(job, _topology(), role)
+
+
+def test_leaf_names_exist_in_the_p4_source() -> None:
+    src = p4.P4_SOURCE.read_text()
+    state = p4.desired_state(_topology(), [_leaf_job()], {7: LEAF})
+    names = {e.action for e in state.entries} | set(p4.LEAF_COUNTER_NAMES.values())
+    for name in names:
+        local = name.split(".", 1)[1]
+        assert re.search(rf"\b(action|counter)\b[^;{{]*\b{local}\b", src), name
+    assert set(p4.LEAF_COUNTER_NAMES) == set(protocol.LEAF_COUNTERS)

@@ -72,6 +72,14 @@ def test_p4_constants_match_protocol_py() -> None:
     assert p4["NUM_DROP_REASONS"] == len(protocol.DROP_REASONS)
 
 
+def test_p4_job_counters_match_protocol_py() -> None:
+    """One P4 counter array per protocol.JOB_COUNTERS and LEAF_COUNTERS name (a leaf's job counts
+    both), each indexed by the job's counter index."""
+    text = (ROOT / "p4/switchagg.p4").read_text()
+    arrays = set(re.findall(r"counter\(MAX_JOBS, CounterType\.packets_and_bytes\)\s+(\w+);", text))
+    assert arrays == set(protocol.JOB_COUNTERS + protocol.LEAF_COUNTERS)
+
+
 def test_p4_header_fields_match_protocol_layout() -> None:
     text = (ROOT / "p4/switchagg.p4").read_text()
     m = re.search(r"header\s+agg_t\s*\{(.*?)\}", text, re.S)

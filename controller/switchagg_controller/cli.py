@@ -117,7 +117,9 @@ def _serve(args: argparse.Namespace) -> int:
         def on_restart(switch: str) -> None:  # the switch lost its state: new generations for its jobs
             if manager is not None:
                 p4_plane.set_jobs(
-                    manager.bump_generations(allocation.P4, lambda job: p4_plane.switch_of(job) == switch)
+                    manager.bump_generations(
+                        allocation.P4, lambda job: p4_plane.bumped_by_restart(job, switch)
+                    )
                 )
 
         supervisors = [

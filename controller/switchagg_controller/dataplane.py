@@ -185,20 +185,44 @@ class P4DataPlane:
                 return name, host
         return None
 
-    def switch_of(self, job: Job) -> str:
-        """The switch every worker of ``job`` is cabled to."""
+    def route(self, job: Job) -> tuple[str | None, list[str]]:
+        """Where ``job`` runs: (None, [its switch]) when every worker is cabled to one switch, or
+        (the spine, the leaves in topology order) when they sit behind leaves of one spine (two
+        levels, docs/PROTOCOL.md: leaf l is rank l at the spine)."""
         names = set()
         for w in job.workers:
             found = self._host(w.ip)
             if found is None:
                 raise DataPlaneError(f"{w.ip} is not a host of any switch in the topology")
             names.add(found[0])
-        if len(names) != 1:
+        if len(names) == 1:
+            return None, [names.pop()]
+        spines = {u.switch if (u := self.topologies[n].uplink) else None for n in names}
+        if len(spines) != 1 or None in spines:
             raise DataPlaneError(
-                f"job {job.name!r} has workers on switches {', '.join(sorted(names))}; "
-                "a job runs on one switch (no aggregation across switches yet)"
+                f"job {job.name!r} has workers on switches {', '.join(sorted(names))}; a job runs on one "
+                "switch, or on leaves with uplinks to one spine"
             )
-        return names.pop()
+        order = list(self.topologies)
+        return spines.pop(), sorted(names, key=order.index)
+
+    def switches_of(self, job: Job) -> list[str]:
+        """Every switch ``job`` is installed on (the spine first)."""
+        spine, switches = self.route(job)
+        return ([spine] if spine else []) + switches
+
+    def switch_of(self, job: Job) -> str:
+        """The one switch of a one-switch job; for a two-level job its spine."""
+        spine, switches = self.route(job)
+        return spine or switches[0]
+
+    def bumped_by_restart(self, job: Job, switch: str) -> bool:
+        """Whether ``switch`` losing its state needs a new generation for ``job``: for a job on that
+        switch alone. A two-level job keeps its generation (its other switches hold rounds in
+        flight, which a new generation would reset); the restarted switch's registers are zero,
+        which the generation check already takes for a fresh slot."""
+        spine, switches = self.route(job)
+        return spine is None and switches == [switch]
 
     @property
     def aggregator(self) -> tuple[str, int]:
@@ -206,7 +230,12 @@ class P4DataPlane:
         return (t.aggregator_ip, t.udp_port)
 
     def aggregator_of(self, job: Job, rank: int) -> tuple[str, int]:
-        t = self.topologies[self.switch_of(job)]
+        """The aggregator of the switch rank ``rank`` is cabled to (its leaf, on two levels)."""
+        w = next(w for w in job.workers if w.rank == rank)
+        found = self._host(w.ip)
+        if found is None:
+            raise DataPlaneError(f"{w.ip} is not a host of any switch in the topology")
+        t = self.topologies[found[0]]
         return (t.aggregator_ip, t.udp_port)
 
     def pool_sizes(self) -> dict[str, int]:
@@ -225,12 +254,31 @@ class P4DataPlane:
     def jobs_on(self, switch: str) -> list[Job]:
         with self._lock:
             jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
-        return [j for j in jobs if self.switch_of(j) == switch]
+        return [j for j in jobs if switch in self.switches_of(j)]
 
     def desired(self, switch: str) -> SwitchState:
+        """The switch's whole state: its one-switch jobs, the two-level jobs it is the spine of
+        (the leaves as ranks) and those it is a leaf of (its local ranks, its uplink)."""
         from switchagg_controller import p4_program
 
-        return p4_program.desired_state(self.topologies[switch], self.jobs_on(switch))
+        jobs, leaves = [], {}
+        for job in self.jobs_on(switch):
+            spine, switches = self.route(job)
+            if spine is None:
+                jobs.append(job)
+            elif switch == spine:
+                jobs.append(p4_program.spine_view(job, [self.topologies[s] for s in switches]))
+            else:
+                view, role = p4_program.leaf_view(
+                    job, self.topologies[switch], self.topologies[spine], switches.index(switch)
+                )
+                jobs.append(view)
+                leaves[job.job_id] = role
+        return p4_program.desired_state(self.topologies[switch], jobs, leaves)
+
+    def is_leaf_of(self, job: Job, switch: str) -> bool:
+        spine, switches = self.route(job)
+        return spine is not None and switch in switches
 
     def set_jobs(self, jobs: list[Job]) -> None:
         """Replaces (or adds) known jobs without pushing (reload, or new generations after a restart)."""
@@ -248,25 +296,32 @@ class P4DataPlane:
     def restore(self, jobs: list[Job]) -> None:
         with self._lock:
             self._jobs = {j.job_id: j for j in jobs}
-        for switch in {self.switch_of(j) for j in jobs}:
+        for switch in {s for j in jobs for s in self.switches_of(j)}:
             try:
                 self._push(switch)
             except Exception:  # noqa: S110 - not connected yet; the supervisor applies it on connect
                 pass
 
     def install(self, job: Job) -> None:
-        switch = self.switch_of(job)
+        switches = self.switches_of(job)  # the spine first: a leaf's first partial must find the job
+        switch = switches[0]
         with self._lock:
             previous = self._jobs.get(job.job_id)
             self._jobs[job.job_id] = job
         try:
-            self._push(switch)
+            for switch in switches:
+                self._push(switch)
         except Exception as e:
             with self._lock:  # not on the switch: forget it, so a later push does not install it
                 if previous is None:
                     self._jobs.pop(job.job_id, None)
                 else:
                     self._jobs[job.job_id] = previous
+            for other in switches[: switches.index(switch)]:  # take it off the switches it reached
+                try:
+                    self._push(other)
+                except Exception:  # noqa: S110 - the supervisor reapplies the desired state when back
+                    pass
             from switchagg_controller.supervisor import SwitchUnavailable
 
             unavailable = isinstance(e, SwitchUnavailable | TimeoutError)
@@ -277,10 +332,11 @@ class P4DataPlane:
     def remove(self, job: Job) -> None:
         with self._lock:
             self._jobs.pop(job.job_id, None)
-        try:
-            self._push(self.switch_of(job))
-        except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
-            pass
+        for switch in reversed(self.switches_of(job)):
+            try:
+                self._push(switch)
+            except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
+                pass
 
     def counters(self) -> list[CounterValue]:
         from switchagg_controller import p4_program
@@ -294,9 +350,14 @@ class P4DataPlane:
                 for i, name in enumerate(protocol.DROP_REASONS)
             ]
             jobs = self.jobs_on(switch)
-            for name, counter in p4_program.JOB_COUNTER_NAMES.items():
-                values = supervisor.read_counter(counter)
-                for job in jobs:
-                    nbytes, packets = values.get(job.counter_index, (0, 0))
-                    out.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
+            leaf_jobs = [j for j in jobs if self.is_leaf_of(j, switch)]
+            for names, counted in (
+                (p4_program.JOB_COUNTER_NAMES, jobs),
+                (p4_program.LEAF_COUNTER_NAMES, leaf_jobs),
+            ):
+                for name, counter in names.items():
+                    values = supervisor.read_counter(counter) if counted else {}
+                    for job in counted:
+                        nbytes, packets = values.get(job.counter_index, (0, 0))
+                        out.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
         return out

@@ -24,7 +24,11 @@ from switchagg_controller.supervisor import Counters, SwitchFleet
 
 JOB_STATES = ("pending", "active")
 SWITCH = ("switch", "data_plane")
-_P4_COUNTERS = [p4_program.DROP_COUNTER, *p4_program.JOB_COUNTER_NAMES.values()]
+_P4_COUNTERS = [
+    p4_program.DROP_COUNTER,
+    *p4_program.JOB_COUNTER_NAMES.values(),
+    *p4_program.LEAF_COUNTER_NAMES.values(),
+]
 
 # (attribute of SwitchSupervisor, metric name, help)
 _SUPERVISOR_COUNTERS = (
@@ -91,9 +95,12 @@ class ControllerMetrics:
         jobs = [
             metrics.JobSample(
                 job.job_id,
-                {
+                {  # a job this switch is a leaf of counts the leaf counters too (as in software)
                     name: values[counter].get(job.counter_index, (0, 0))[1]
-                    for name, counter in p4_program.JOB_COUNTER_NAMES.items()
+                    for name, counter in (
+                        p4_program.JOB_COUNTER_NAMES
+                        | (p4_program.LEAF_COUNTER_NAMES if p4.is_leaf_of(job, switch) else {})
+                    ).items()
                 },
                 job.slot_count,
                 job.n,

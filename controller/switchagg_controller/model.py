@@ -22,6 +22,15 @@ class HostPort:
 
 
 @dataclass(frozen=True)
+class Uplink:
+    """A leaf switch's cable to its spine switch (two-level aggregation, docs/PROTOCOL.md)."""
+
+    switch: str  # the spine's name in the topology
+    port: int  # the leaf's port towards the spine
+    spine_port: int  # the spine's port towards the leaf
+
+
+@dataclass(frozen=True)
 class Topology:
     """One switch of the declarative input of switchagg-ctl, with the hosts cabled to it (see
     topology.py for the file format: one switch, or a list of them)."""
@@ -35,6 +44,7 @@ class Topology:
     cpu_port: int = 255
     election_id: tuple[int, int] = (0, 1)  # (high, low); must be non-zero
     name: str = "s1"  # the switch's name in logs and in a topology of several switches
+    uplink: Uplink | None = None  # a leaf: its spine; a job across leaves of one spine runs on all
 
     def host_by_ip(self, ip: str) -> HostPort | None:
         return next((h for h in self.hosts if h.ip == ip), None)

@@ -8,6 +8,8 @@ encodes them to the bit widths in the P4Info.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from switchagg import protocol
@@ -29,6 +31,9 @@ RESULT_TABLE = "MyEgress.result_dst"
 # Counter arrays. DROP_COUNTER is indexed by protocol.DROP_INDEX, the job counters by Job.counter_index.
 DROP_COUNTER = "MyIngress.drops"
 JOB_COUNTER_NAMES = {name: f"MyIngress.{name}" for name in protocol.JOB_COUNTERS}
+LEAF_COUNTER_NAMES = {
+    name: f"MyIngress.{name}" for name in protocol.LEAF_COUNTERS
+}  # a leaf's job counts these too
 MAX_JOBS = 64  # size of the per-job counter arrays (MAX_JOBS in the P4 source)
 
 # Register arrays (read with simple_switch_CLI; P4Runtime cannot read bmv2 registers).
@@ -38,6 +43,9 @@ REGISTERS = (
     "MyIngress.count",
     "MyIngress.max_exp",
     "MyIngress.values",
+    "MyIngress.final",
+    "MyIngress.partial_offset",
+    "MyIngress.partial_flags",
 )
 
 BROADCAST_MAC = "ff:ff:ff:ff:ff:ff"
@@ -64,6 +72,40 @@ def ip_int(ip: str) -> int:
         return int(ipaddress.IPv4Address(ip))
     except ValueError:
         raise ProgramError(f"bad IPv4 address {ip!r}") from None
+
+
+@dataclass(frozen=True)
+class LeafRole:
+    """A job aggregated on this switch as leaf ``index`` of two levels (docs/PROTOCOL.md, Two
+    levels): the job's ``workers`` are its local ranks only; partials leave on ``up_port`` to the
+    spine's address, whose RESULTs alone are accepted from there."""
+
+    index: int  # this leaf's rank at the spine
+    up_port: int
+    spine_mac: str
+    spine_ip: str
+    spine_udp_port: int = protocol.UDP_PORT
+
+
+def leaf_view(job: Job, leaf: Topology, spine: Topology, index: int) -> tuple[Job, LeafRole]:
+    """Leaf ``index`` of a two-level job: its local ranks, and its uplink to the spine's aggregator."""
+    if leaf.uplink is None or leaf.uplink.switch != spine.name:
+        raise ProgramError(f"switch {leaf.name} has no uplink to {spine.name}")
+    local = tuple(w for w in job.workers if leaf.host_by_ip(w.ip) is not None)
+    role = LeafRole(index, leaf.uplink.port, spine.aggregator_mac, spine.aggregator_ip, spine.udp_port)
+    return replace(job, workers=local), role
+
+
+def spine_view(job: Job, leaves: list[Topology]) -> Job:
+    """The spine's job: rank l is leaf l (its aggregator address, on the spine's port of its uplink)."""
+    ranks = []
+    for index, leaf in enumerate(leaves):
+        if leaf.uplink is None:
+            raise ProgramError(f"switch {leaf.name} has no uplink")
+        ranks.append(
+            WorkerAddr(index, leaf.aggregator_ip, leaf.udp_port, leaf.aggregator_mac, leaf.uplink.spine_port)
+        )
+    return replace(job, n=len(leaves), workers=tuple(ranks))
 
 
 def job_group(job: Job) -> int:
@@ -116,7 +158,7 @@ def _resolve_worker(w: WorkerAddr, topology: Topology) -> tuple[int, str]:
     return port, mac
 
 
-def validate_job(job: Job) -> None:
+def validate_job(job: Job, leaf: LeafRole | None = None) -> None:
     """Refuses jobs the P4 program cannot run, with the reason."""
     if not 0 <= job.job_id <= 0xFFFF:
         raise ProgramError(f"job id {job.job_id} is not a 16-bit number")
@@ -138,31 +180,66 @@ def validate_job(job: Job) -> None:
             f"job {job.job_id}: counter index {job.counter_index} is outside 0..{MAX_JOBS - 1}"
         )
     ranks = sorted(w.rank for w in job.workers)
-    if ranks != list(range(job.n)):
+    if leaf is None and ranks != list(range(job.n)):
         raise ProgramError(
             f"job {job.job_id}: needs exactly one address for each rank 0..{job.n - 1}, has {ranks}"
         )
+    if leaf is not None:
+        _validate_leaf(job, leaf, ranks)
 
 
-def job_state(job: Job, topology: Topology) -> tuple[list[TableEntry], list[MulticastGroup]]:
-    """The entries and the result multicast group of one job."""
-    validate_job(job)
-    group = job_group(job)
-    entries = [
-        TableEntry(
-            JOB_TABLE,
-            (("job", job.job_id),),
-            "MyIngress.set_job",
-            (
-                ("n", job.n),
-                ("mgrp", group),
-                ("slot_base", job.slot_base),
-                ("slot_count", job.slot_count),
-                ("generation", job.generation),
-                ("counter_index", job.counter_index),
-            ),
+def _validate_leaf(job: Job, leaf: LeafRole, ranks: list[int]) -> None:
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < job.n for r in ranks):
+        raise ProgramError(
+            f"job {job.job_id}: a leaf needs one address for each of its local ranks, "
+            f"some of 0..{job.n - 1}, has {ranks}"
         )
-    ]
+    if not 0 <= leaf.index < protocol.MAX_WORKERS:
+        raise ProgramError(
+            f"job {job.job_id}: leaf index {leaf.index} is outside 0..{protocol.MAX_WORKERS - 1}"
+        )
+    if not 0 <= leaf.up_port < 511:
+        raise ProgramError(f"job {job.job_id}: upstream port {leaf.up_port} is outside 0..510")
+    if not 0 < leaf.spine_udp_port <= 0xFFFF:
+        raise ProgramError(f"job {job.job_id}: bad spine UDP port {leaf.spine_udp_port}")
+
+
+def _job_entry(job: Job, group: int, leaf: LeafRole | None) -> TableEntry:
+    common = (
+        ("mgrp", group),
+        ("slot_base", job.slot_base),
+        ("slot_count", job.slot_count),
+        ("generation", job.generation),
+        ("counter_index", job.counter_index),
+    )
+    if leaf is None:
+        return TableEntry(JOB_TABLE, (("job", job.job_id),), "MyIngress.set_job", (("n", job.n), *common))
+    local = sorted(w.rank for w in job.workers)
+    return TableEntry(
+        JOB_TABLE,
+        (("job", job.job_id),),
+        "MyIngress.set_leaf_job",
+        (
+            ("n", job.n),
+            ("m", len(local)),
+            ("first_local", local[0]),
+            ("leaf_index", leaf.index),
+            *common,
+            ("up_port", leaf.up_port),
+            ("spine_mac", mac_int(leaf.spine_mac)),
+            ("spine_ip", ip_int(leaf.spine_ip)),
+            ("spine_udp_port", leaf.spine_udp_port),
+        ),
+    )
+
+
+def job_state(
+    job: Job, topology: Topology, leaf: LeafRole | None = None
+) -> tuple[list[TableEntry], list[MulticastGroup]]:
+    """The entries and the result multicast group of one job (as a leaf: of its local ranks)."""
+    validate_job(job, leaf)
+    group = job_group(job)
+    entries = [_job_entry(job, group, leaf)]
     replicas = []
     for w in sorted(job.workers, key=lambda w: w.rank):
         port, mac = _resolve_worker(w, topology)
@@ -188,8 +265,14 @@ def job_state(job: Job, topology: Topology) -> tuple[list[TableEntry], list[Mult
     return entries, [MulticastGroup(group, tuple(replicas))]
 
 
-def desired_state(topology: Topology, jobs: list[Job] | tuple[Job, ...]) -> SwitchState:
-    """The whole switch configuration for these jobs; refuses jobs that collide."""
+def desired_state(
+    topology: Topology, jobs: list[Job] | tuple[Job, ...], leaves: Mapping[int, LeafRole] | None = None
+) -> SwitchState:
+    """The whole switch configuration for these jobs; refuses jobs that collide. ``leaves`` (by
+    job id): the jobs this switch aggregates as a leaf of two levels."""
+    leaves = leaves or {}
+    if unknown := sorted(set(leaves) - {j.job_id for j in jobs}):
+        raise ProgramError(f"leaf roles for jobs that are not installed: {unknown}")
     state = SwitchState(entries=l2_entries(topology), groups=l2_groups(topology))
     ids: set[int] = set()
     counters: set[int] = set()
@@ -205,7 +288,7 @@ def desired_state(topology: Topology, jobs: list[Job] | tuple[Job, ...]) -> Swit
         ids.add(job.job_id)
         counters.add(job.counter_index)
         used.append((job.slot_base, job.slot_count, job.job_id))
-        entries, groups = job_state(job, topology)
+        entries, groups = job_state(job, topology, leaves.get(job.job_id))
         state.entries.extend(entries)
         state.groups.extend(groups)
     return state

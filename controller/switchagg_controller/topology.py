@@ -26,6 +26,12 @@ switches:
       - {name: h1, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
   - name: s2
     ...
+
+Two levels (docs/PROTOCOL.md, Two levels): a leaf names its spine switch and the ports of the
+cable between them; a job whose workers sit behind several leaves of one spine is aggregated on
+the leaves and the spine. A spine needs no hosts of its own.
+
+    uplink: {switch: spine, port: 100, spine_port: 1}   # on a leaf: its port, the spine's port
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from switchagg_controller.model import HostPort, Topology
+from switchagg_controller.model import HostPort, Topology, Uplink
 
 _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 
@@ -130,7 +136,7 @@ def _election(node: _Node) -> tuple[int, int]:
     return election
 
 
-def _hosts(node: _Node, ips: dict[str, str]) -> tuple[HostPort, ...]:
+def _hosts(node: _Node, ips: dict[str, str], allow_none: bool = False) -> tuple[HostPort, ...]:
     """The hosts of one switch: names, ports and MACs unique on it, IPs across every switch
     (``ips``: those of the switches so far), since a worker is placed by its address."""
     hosts = []
@@ -152,7 +158,7 @@ def _hosts(node: _Node, ips: dict[str, str]) -> tuple[HostPort, ...]:
             raise fields["ip"].fail(f"{host.ip!r} is already used by host {ips[host.ip]!r}")
         ips[host.ip] = host.name
         hosts.append(host)
-    if not hosts:
+    if not hosts and not allow_none:
         raise node.fail("at least one host is needed")
     return tuple(hosts)
 
@@ -164,19 +170,61 @@ def _topology(
     hosts_node: _Node,
     cpu_node: _Node | None,
     ips: dict[str, str],
+    uplink: Uplink | None = None,
+    allow_no_hosts: bool = False,
 ) -> Topology:
     agg = agg_node.mapping(("ip", "mac"), ("udp_port",))
     return Topology(
         switch_address=_switch_address(switch["address"]),
         device_id=switch["device_id"].integer(0, 2**64 - 1),
-        hosts=_hosts(hosts_node, ips),
+        hosts=_hosts(hosts_node, ips, allow_no_hosts),
         aggregator_ip=agg["ip"].ipv4(),
         aggregator_mac=agg["mac"].mac(),
         udp_port=agg["udp_port"].integer(1, 65535) if "udp_port" in agg else 48879,
         cpu_port=cpu_node.integer(0, 511) if cpu_node is not None else 255,
         election_id=_election(switch["election_id"]) if "election_id" in switch else (0, 1),
         name=name,
+        uplink=uplink,
     )
+
+
+def _uplink(node: _Node) -> Uplink:
+    f = node.mapping(("switch", "port", "spine_port"))
+    return Uplink(f["switch"].text(), f["port"].integer(0, 510), f["spine_port"].integer(0, 510))
+
+
+def _spines(switches: list[_Node]) -> set[str]:
+    """The switches some leaf names as its spine (they may have no hosts)."""
+    out = set()
+    for node in switches:
+        if isinstance(node.node, yaml.MappingNode):
+            for k, v in node.node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == "uplink" and isinstance(v, yaml.MappingNode):
+                    out |= {
+                        str(b.value)
+                        for a, b in v.value
+                        if isinstance(a, yaml.ScalarNode) and a.value == "switch"
+                    }
+    return out
+
+
+def _check_uplinks(out: list[Topology], nodes: dict[str, _Node]) -> None:
+    """Two levels exactly: a leaf's spine exists, is no leaf itself, and its ports are free."""
+    by_name = {t.name: t for t in out}
+    used: dict[tuple[str, int], str] = {(t.name, h.port): f"host {h.name!r}" for t in out for h in t.hosts}
+    for t in out:
+        if t.uplink is None:
+            continue
+        where = nodes[t.name]
+        spine = by_name.get(t.uplink.switch)
+        if spine is None or spine is t:
+            raise where.fail(f"{t.uplink.switch!r} is not another switch of the topology")
+        if spine.uplink is not None:
+            raise where.fail(f"{spine.name!r} is a leaf itself (two levels only)")
+        for key in ((t.name, t.uplink.port), (spine.name, t.uplink.spine_port)):
+            if key in used:
+                raise where.fail(f"port {key[1]} of {key[0]!r} is {used[key]} already")
+            used[key] = f"the uplink of {t.name!r}"
 
 
 def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
@@ -202,15 +250,23 @@ def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
     out: list[Topology] = []
     names: dict[str, int] = {}
     endpoints: dict[tuple[str, int], str] = {}
-    for node in switches_node.sequence():
+    nodes = switches_node.sequence()
+    spines = _spines(nodes)
+    uplink_nodes: dict[str, _Node] = {}
+    for node in nodes:
         fields = node.mapping(
-            ("name", "address", "device_id", "aggregator", "hosts"), ("election_id", "cpu_port")
+            ("name", "address", "device_id", "aggregator", "hosts"), ("election_id", "cpu_port", "uplink")
         )
         name = fields["name"].text()
         if not name or name in names:
             raise fields["name"].fail(f"{name!r} is empty or names another switch too")
         names[name] = len(out)
-        t = _topology(name, fields, fields["aggregator"], fields["hosts"], fields.get("cpu_port"), ips)
+        uplink = _uplink(fields["uplink"]) if "uplink" in fields else None
+        uplink_nodes[name] = fields.get("uplink", node)
+        t = _topology(
+            name, fields, fields["aggregator"], fields["hosts"], fields.get("cpu_port"), ips, uplink,
+            allow_no_hosts=name in spines,
+        )  # fmt: skip
         endpoint = (t.switch_address, t.device_id)
         if endpoint in endpoints:
             raise fields["address"].fail(
@@ -220,6 +276,7 @@ def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
         out.append(t)
     if not out:
         raise switches_node.fail("at least one switch is needed")
+    _check_uplinks(out, uplink_nodes)
     return out
 
 
@@ -264,6 +321,17 @@ def dump_topologies(switches: list[Topology]) -> str:
                 "aggregator": {"ip": t.aggregator_ip, "mac": t.aggregator_mac, "udp_port": t.udp_port},
                 "cpu_port": t.cpu_port,
                 "hosts": _hosts_doc(t),
+                **(
+                    {
+                        "uplink": {
+                            "switch": t.uplink.switch,
+                            "port": t.uplink.port,
+                            "spine_port": t.uplink.spine_port,
+                        }
+                    }
+                    if t.uplink
+                    else {}
+                ),
             }
             for t in switches
         ]

@@ -51,7 +51,7 @@ DROP_INDEX = {name: i for i, name in enumerate(DROP_REASONS)}
 
 # Per-job counters (P4: counter arrays indexed by the job's counter index).
 JOB_COUNTERS = ("aggregated", "multicast", "resent", "retrans_ignored")
-# A leaf's job counts these too (docs/PROTOCOL.md, Two levels); not (yet) in the P4 program.
+# A leaf's job counts these too (docs/PROTOCOL.md, Two levels), in C and in P4.
 LEAF_COUNTERS = ("upstream", "upstream_resent", "stale_results")
 
 INT32_MAX = 2**31 - 1

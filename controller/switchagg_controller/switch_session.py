@@ -96,10 +96,15 @@ class SwitchSession:
         except Exception:  # noqa: S110 - closing a session to a switch that is already gone
             pass
         loop, self._loop = self._loop, None
-        for task in asyncio.all_tasks(loop):  # finsy's stream tasks, should any be left
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
+
+        async def _cancel_the_rest() -> None:  # finsy's stream tasks, should any be left
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await loop.shutdown_asyncgens()
+
+        loop.run_until_complete(_cancel_the_rest())
         loop.close()
 
     def __enter__(self) -> SwitchSession:

@@ -129,7 +129,9 @@ async def _concurrent_joins(tmp_path: Path) -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await aio_join(stub, SECRET, "one-too-many", 1, "127.0.0.1", 42000, timeout=10)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "cannot be placed" in str(e.value.details()) and "no free range" in str(e.value.details())
+                assert "cannot be placed" in str(e.value.details()) and "no free range" in str(
+                    e.value.details()
+                )
                 # Freeing one job makes room again, at the freed range.
                 freed = by_job[min(by_job)][0]
                 await manager.teardown(str(freed.job_id))

@@ -21,7 +21,7 @@ from switchagg import protocol
 from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program, p4rt
 from switchagg_controller.model import Job, WorkerAddr
-from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
+from switchagg_controller.supervisor import RETRY_MAX, SwitchFleet, SwitchSupervisor
 from switchagg_controller.topology import parse_topology
 
 HOSTS, JOBS = 8, 16
@@ -65,3 +65,26 @@ async def _ready_means_reprogrammed(bmv2: Bmv2Switch) -> None:  # noqa: F811
         assert sup.pushes == 2 and sup.programmed == 2 and restarts == [1, 2]
         assert await _entries(bmv2.grpc_address) == 282
         assert await sup.push() == 0  # the state is all there: a push changes nothing
+
+
+def test_a_switch_away_for_a_while_is_reprogrammed_when_it_is_back(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    """The supervisor's own connection loop: attempts that fail while the switch is away (its
+    backoff grows to RETRY_MAX meanwhile) do not end it; the switch, back empty, gets everything."""
+    asyncio.run(_away_for_a_while(bmv2))
+
+
+async def _away_for_a_while(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
+    jobs = _jobs()
+    sup = SwitchSupervisor(
+        topo, p4_program.BMV2_JSON, p4_program.P4INFO, desired=lambda: p4_program.desired_state(topo, jobs)
+    )
+    async with SwitchFleet([sup]):
+        assert await sup.wait_ready(60) and sup.programmed == 1
+        bmv2.kill()
+        await asyncio.sleep(3 * RETRY_MAX)  # several failed attempts, the backoff at its cap
+        assert not sup.ready and sup.programmed == 1 and sup.last_error is not None
+        bmv2.start()
+        assert await sup.wait_ready(120)
+        assert sup.pushes == 2 and sup.programmed == 2 and sup.reconnects >= 2
+        assert await _entries(bmv2.grpc_address) == 282

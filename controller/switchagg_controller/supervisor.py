@@ -81,6 +81,7 @@ class SwitchSupervisor:
         self._lock = asyncio.Lock()  # one writer at a time (a write awaits the switch)
         self._changed = asyncio.Condition()  # ready or programmed changed
         self._lost = asyncio.Event()  # the current connection's stream broke
+        self._wakers: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
 
     # -- the connections ------------------------------------------------------------------------
 
@@ -112,7 +113,9 @@ class SwitchSupervisor:
             log.warning("switch %s (%s) went away; reconnecting", self.name, self.address)
         self.ready = False  # at once (a sync emitter callback); waiters are woken below
         self._lost.set()
-        asyncio.get_running_loop().create_task(self._set_ready(False))
+        waker = asyncio.get_running_loop().create_task(self._set_ready(False))
+        self._wakers.add(waker)
+        waker.add_done_callback(self._wakers.discard)
 
     async def _on_ready(self, switch: fy.Switch) -> None:
         """finsy's ready handler: the stream is up and the pipeline is ours (when primary)."""

@@ -6,22 +6,22 @@ return True after a bmv2 restart with the push counter still at 1. The old super
 switch every 0.5 s, and its readiness flag stayed set from the switch's death until the next
 poll; a restart shorter than that (bmv2 --no-p4 is back within a few hundred milliseconds) was
 reported ready at once. Here the stale window is made certain, not left to timing: the event
-loop is kept busy (as by a long apply) from before the kill until after the new switch answers,
-so nothing can have noticed the restart when ``wait_ready`` is asked.
+loop is kept busy (the kill and restart are blocking calls made on it, as a long apply would
+hold it) from before the kill until after the new switch answers, so nothing can have noticed
+the restart when ``wait_ready`` is asked.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 from bmv2_controller_switch import bmv2, topology_yaml  # noqa: F401 - bmv2 is a fixture
 
 from switchagg import protocol
 from switchagg.testbed.bmv2 import Bmv2Switch
-from switchagg_controller import p4_program
+from switchagg_controller import p4_program, p4rt
 from switchagg_controller.model import Job, WorkerAddr
-from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
-from switchagg_controller.switch_session import SwitchSession
+from switchagg_controller.supervisor import RETRY_MAX, SwitchFleet, SwitchSupervisor
 from switchagg_controller.topology import parse_topology
 
 HOSTS, JOBS = 8, 16
@@ -32,12 +32,16 @@ def _jobs() -> list[Job]:
     return [Job(j + 1, f"j{j}", HOSTS, 64 * j, 64, protocol.P4_K, j + 1, workers, j) for j in range(JOBS)]
 
 
-def _entries(address: str) -> int:
-    with SwitchSession(address, 0, p4_program.P4INFO, primary=False) as s:
-        return len([e for e in s.read_table_entries() if not e.is_default_action])
+async def _entries(address: str) -> int:
+    async with p4rt.Reader(address, 0, p4_program.P4INFO) as r:
+        return len([e for e in await p4rt.read_table_entries(r) if not e.is_default_action])
 
 
 def test_ready_after_a_restart_means_reprogrammed(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    asyncio.run(_ready_means_reprogrammed(bmv2))
+
+
+async def _ready_means_reprogrammed(bmv2: Bmv2Switch) -> None:  # noqa: F811
     topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
     jobs = _jobs()
     state = p4_program.desired_state(topo, jobs)
@@ -50,31 +54,37 @@ def test_ready_after_a_restart_means_reprogrammed(bmv2: Bmv2Switch) -> None:  # 
         desired=lambda: p4_program.desired_state(topo, jobs),
         on_restart=lambda: restarts.append(sup.pushes),
     )
-    fleet = SwitchFleet([sup]).start()
-    try:
-        assert sup.wait_ready(60) and sup.pushes == 1 and sup.programmed == 1
-        assert _entries(bmv2.grpc_address) == 282
-
-        release = threading.Event()
-        busy = threading.Event()
-
-        def hold_the_loop() -> None:  # runs on the event loop: nothing else runs meanwhile
-            busy.set()
-            release.wait(60)
-
-        fleet.loop.loop.call_soon_threadsafe(hold_the_loop)
-        assert busy.wait(30)
+    async with SwitchFleet([sup]):
+        assert await sup.wait_ready(60) and sup.pushes == 1 and sup.programmed == 1
+        assert await _entries(bmv2.grpc_address) == 282
+        # Blocking calls on the loop: nothing else runs on it meanwhile.
         bmv2.kill()
         bmv2.start()  # back, empty, and answering on the same unix socket path
         assert sup.ready  # stale, and nothing could have seen the restart yet
-        answer: list[bool] = []
-        asking = threading.Thread(target=lambda: answer.append(sup.wait_ready(120)))
-        asking.start()  # queued on the loop behind hold_the_loop
-        release.set()
-        asking.join(180)
-        assert answer == [True]
+        assert await sup.wait_ready(120)
         assert sup.pushes == 2 and sup.programmed == 2 and restarts == [1, 2]
-        assert _entries(bmv2.grpc_address) == 282
-        assert sup.push() == 0  # the state is all there: a push changes nothing
-    finally:
-        fleet.stop()
+        assert await _entries(bmv2.grpc_address) == 282
+        assert await sup.push() == 0  # the state is all there: a push changes nothing
+
+
+def test_a_switch_away_for_a_while_is_reprogrammed_when_it_is_back(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    """The supervisor's own connection loop: attempts that fail while the switch is away (its
+    backoff grows to RETRY_MAX meanwhile) do not end it; the switch, back empty, gets everything."""
+    asyncio.run(_away_for_a_while(bmv2))
+
+
+async def _away_for_a_while(bmv2: Bmv2Switch) -> None:  # noqa: F811
+    topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
+    jobs = _jobs()
+    sup = SwitchSupervisor(
+        topo, p4_program.BMV2_JSON, p4_program.P4INFO, desired=lambda: p4_program.desired_state(topo, jobs)
+    )
+    async with SwitchFleet([sup]):
+        assert await sup.wait_ready(60) and sup.programmed == 1
+        bmv2.kill()
+        await asyncio.sleep(3 * RETRY_MAX)  # several failed attempts, the backoff at its cap
+        assert not sup.ready and sup.programmed == 1 and sup.last_error is not None
+        bmv2.start()
+        assert await sup.wait_ready(120)
+        assert sup.pushes == 2 and sup.programmed == 2 and sup.reconnects >= 2
+        assert await _entries(bmv2.grpc_address) == 282

@@ -1,11 +1,13 @@
 """One controller, two bmv2 switches (each its own rack of namespaces and subnet): a job runs on
 switch b while switch a is killed and restarted. The controller re-pushes and reprograms a on its
 own, b's job keeps going with exact sums and is never reprogrammed, and a job on the restarted a
-then gets exact sums too. Skipped, with the reason, where bmv2 or the compiled P4 program is missing.
+then gets exact sums too. While a is away, `counters` and `top` answer for b and mark a unavailable.
+Skipped, with the reason, where bmv2 or the compiled P4 program is missing.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -97,6 +99,18 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
 
         a.switch.kill()
         assert not _programmed(a.grpc_address)
+        # With a away, the counters answer for b (its job's counters move) and name a as unavailable.
+        ctl_counters = json.loads(c.ctl("counters", *c.client_args(), "--json").stdout)
+        planes = {p["data_plane"]: p for p in ctl_counters["data_planes"]}
+        assert set(planes) == {"p4:b"} and [u["data_plane"] for u in ctl_counters["unavailable"]] == ["p4:a"]
+        (job_b,) = planes["p4:b"]["jobs"]
+        assert job_b["job_id"] == job_id and job_b["aggregated"] > 0
+        text = c.ctl("counters", *c.client_args()).stdout
+        assert "[p4:b]" in text and "[p4:a]\n  unavailable: " in text
+        top = json.loads(c.ctl("top", *c.client_args(), "--once", "--json", "--interval", "0.2").stdout)
+        assert top["unavailable"] == ["p4:a"] and [p["data_plane"] for p in top["data_planes"]] == ["p4:b"]
+        (top_job,) = top["jobs"]
+        assert top_job["job_id"] == job_id and top_job["contributions_per_s"] is not None
         a.switch.start()  # comes back empty: no pipeline, no entries
         deadline = time.monotonic() + 120
         while not _programmed(a.grpc_address):

@@ -156,3 +156,16 @@ def expected_int_sum(n: int, length: int, seed: int) -> tuple[int, list[int]]:
     head = [sum(i * (seed + 1) + r * 7 - 3 for r in range(n)) for i in range(4)]
     total = sum(sum(i * (seed + 1) + r * 7 - 3 for i in range(length)) for r in range(n))
     return total, head
+
+
+async def aio_join(
+    stub: Any, secret: str, name: str, n: int, ip: str, udp_port: int, timeout: float = 60.0
+) -> Any:
+    """One Join through a grpc.aio stub (jobs_pb2_grpc.JobServiceStub on a grpc.aio channel):
+    many of them wait at once on one event loop, in the test as in the service."""
+    from switchagg._proto import jobs_pb2
+
+    request = jobs_pb2.JoinRequest(
+        secret=secret, job_name=name, world_size=n, ip=ip, udp_port=udp_port, rank=-1, timeout_s=timeout
+    )
+    return await stub.Join(request, timeout=timeout + 30)

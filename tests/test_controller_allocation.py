@@ -3,14 +3,16 @@ concurrent joins for several jobs through a real job service end with disjoint r
 
 from __future__ import annotations
 
+import asyncio
 import random
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
+from controller_support import aio_join
 
-from switchagg import jobclient, protocol
+from switchagg import protocol
+from switchagg._proto import jobs_pb2, jobs_pb2_grpc
 from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller.allocation import P4, SOFTWARE, AllocationError, SlotAllocator, SlotPool
 from switchagg_controller.dataplane import SoftwareDataPlane
@@ -93,64 +95,48 @@ def test_fallback_placement_says_where_it_went() -> None:
 
 
 def test_concurrent_joins_for_several_jobs_get_disjoint_slots(tmp_path: Path) -> None:
+    asyncio.run(_concurrent_joins(tmp_path))
+
+
+async def _concurrent_joins(tmp_path: Path) -> None:
+    """In process: the job service on this test's event loop, 24 joins waiting at once on it."""
     jobs, n = 6, 4
     with SoftwareAggregator("127.0.0.1", 0) as agg:
         store = Store(tmp_path / "ctl.db")
         # 6 jobs of 5000 slots fit (30000 of 32768); the 7th cannot.
         manager = JobManager(store, [SoftwareDataPlane(agg, default_slots=5000)], join_timeout=60)
-        server, port = make_server(manager, SECRET, "127.0.0.1:0", max_workers=64)
-        server.start()
+        server, port = make_server(manager, SECRET, "127.0.0.1:0")
+        await server.start()
         try:
-            results: list[jobclient.Assignment] = []
-            errors: list[BaseException] = []
-            lock = threading.Lock()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = jobs_pb2_grpc.JobServiceStub(channel)
+                order = [(j, m) for j in range(jobs) for m in range(n)]
+                random.Random(3).shuffle(order)
+                replies = await asyncio.gather(
+                    *(aio_join(stub, SECRET, f"job{j}", n, "127.0.0.1", 41000 + j * n + m) for j, m in order)
+                )
+                by_job: dict[int, list[jobs_pb2.JoinReply]] = {}
+                for a in replies:
+                    by_job.setdefault(a.job_id, []).append(a)
+                assert len(by_job) == jobs
+                for members in by_job.values():
+                    assert sorted(a.rank for a in members) == list(range(n))
+                    assert len({(a.slot_base, a.slot_count, a.generation) for a in members}) == 1
+                ranges = [(m[0].slot_base, m[0].slot_count) for m in by_job.values()]
+                assert _disjoint(ranges) and all(c == 5000 for _, c in ranges)
+                assert len({m[0].generation for m in by_job.values()}) == jobs
 
-            def worker(job: int, member: int) -> None:
-                try:
-                    a = jobclient.join(
-                        f"127.0.0.1:{port}",
-                        SECRET,
-                        f"job{job}",
-                        n,
-                        "127.0.0.1",
-                        41000 + job * n + member,
-                        timeout=60,
-                    )
-                    with lock:
-                        results.append(a)
-                except BaseException as e:
-                    with lock:
-                        errors.append(e)
-
-            order = [(j, m) for j in range(jobs) for m in range(n)]
-            random.Random(3).shuffle(order)
-            threads = [threading.Thread(target=worker, args=jm) for jm in order]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not errors, errors
-            by_job: dict[int, list[jobclient.Assignment]] = {}
-            for a in results:
-                by_job.setdefault(a.job_id, []).append(a)
-            assert len(by_job) == jobs
-            for members in by_job.values():
-                assert sorted(a.rank for a in members) == list(range(n))
-                assert len({(a.slot_base, a.slot_count, a.generation) for a in members}) == 1
-            ranges = [(m[0].slot_base, m[0].slot_count) for m in by_job.values()]
-            assert _disjoint(ranges) and all(c == 5000 for _, c in ranges)
-            assert len({m[0].generation for m in by_job.values()}) == jobs
-
-            with pytest.raises(jobclient.JobServiceError, match="cannot be placed.*no free range") as e:
-                jobclient.join(f"127.0.0.1:{port}", SECRET, "one-too-many", 1, "127.0.0.1", 42000, timeout=10)
-            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            # Freeing one job makes room again, at the freed range.
-            freed = by_job[min(by_job)][0]
-            manager.teardown(str(freed.job_id))
-            again = jobclient.join(
-                f"127.0.0.1:{port}", SECRET, "one-too-many", 1, "127.0.0.1", 42000, timeout=10
-            )
-            assert again.slot_base == freed.slot_base
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await aio_join(stub, SECRET, "one-too-many", 1, "127.0.0.1", 42000, timeout=10)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "cannot be placed" in str(e.value.details()) and "no free range" in str(
+                    e.value.details()
+                )
+                # Freeing one job makes room again, at the freed range.
+                freed = by_job[min(by_job)][0]
+                await manager.teardown(str(freed.job_id))
+                again = await aio_join(stub, SECRET, "one-too-many", 1, "127.0.0.1", 42000, timeout=10)
+                assert again.slot_base == freed.slot_base
         finally:
-            server.stop(0).wait(10)
+            await server.stop(0)
             store.close()

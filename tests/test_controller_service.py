@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,15 @@ from typing import Any
 
 import grpc
 import pytest
-from controller_support import SECRET, Controller, collect, expected_int_sum, free_port, start_workers
+from controller_support import (
+    SECRET,
+    Controller,
+    aio_join,
+    collect,
+    expected_int_sum,
+    free_port,
+    start_workers,
+)
 
 from switchagg import jobclient, protocol
 
@@ -239,3 +249,52 @@ def test_a_worker_bound_to_any_address_reports_a_real_one(tmp_path: Path) -> Non
         c.stop()
     with pytest.raises(ValueError, match="cannot tell the job service"):
         Session.from_job_service(f"unix:{tmp_path}/none.sock", SECRET, "any", 1, bind=("0.0.0.0", 0))
+
+
+def test_sixteen_concurrent_joins_on_one_loop_are_all_answered_without_overlap(
+    controller: Controller,
+) -> None:
+    """16 joins through the real gRPC port, all waiting at once on the service's one event loop:
+    a job of 8 and two of 4, interleaved. The 8-worker job's last member is held back until
+    ListJobs (answered meanwhile) shows the other 7 waiting; then every join is answered, each
+    job with ranks 0..n-1 and one slot range, the ranges disjoint."""
+    asyncio.run(_sixteen_joins(controller))
+
+
+async def _sixteen_joins(controller: Controller) -> None:
+    from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+    sizes = {"big": 8, "left": 4, "right": 4}
+    members = [(name, m) for name, n in sizes.items() for m in range(n)]
+    random.Random(16).shuffle(members)
+    members.remove(("big", 7))
+    port = iter(range(43000, 43016))
+    async with grpc.aio.insecure_channel(controller.address) as channel:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+
+        def join(name: str) -> asyncio.Task[Any]:
+            return asyncio.create_task(aio_join(stub, SECRET, name, sizes[name], "127.0.0.1", next(port)))
+
+        waiting = [join(name) for name, _ in members]
+        big = [t for t, (name, _) in zip(waiting, members, strict=True) if name == "big"]
+        deadline = time.monotonic() + 60
+        while True:  # the service answers while 15 joins wait (bounded)
+            listing = await stub.ListJobs(jobs_pb2.ListJobsRequest(secret=SECRET), timeout=10)
+            pending = [len(j.workers) for j in listing.jobs if j.name == "big" and j.state == "pending"]
+            if pending == [7]:
+                break
+            assert time.monotonic() < deadline, f"7 waiting joins never showed: {listing}"
+            await asyncio.sleep(0.05)
+        assert not any(t.done() for t in big)  # all 7 still waiting for the 8th
+        replies = await asyncio.gather(*waiting, join("big"))
+    by_job: dict[int, list[Any]] = {}
+    for r in replies:
+        by_job.setdefault(r.job_id, []).append(r)
+    assert sorted(len(rs) for rs in by_job.values()) == [4, 4, 8]
+    ranges = []
+    for rs in by_job.values():
+        assert sorted(r.rank for r in rs) == list(range(len(rs)))
+        assert len({(r.slot_base, r.slot_count, r.generation) for r in rs}) == 1
+        ranges.append((rs[0].slot_base, rs[0].slot_base + rs[0].slot_count))
+    ranges.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False)), ranges

@@ -5,6 +5,7 @@ joining through the job service, int32 exact. Everything runs on loopback (127.0
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -100,22 +101,19 @@ def test_two_level_file_errors_name_the_line() -> None:
         )
 
 
-def _join_all(manager: JobManager, name: str, ips: list[str], ports: list[int]) -> list:
-    out: list = [None] * len(ips)
-
-    def one(i: int) -> None:
-        out[i] = manager.join(name, len(ips), ips[i], ports[i], timeout=30)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ips))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(o is not None for o in out), out
-    return out
+async def _join_all(manager: JobManager, name: str, ips: list[str], ports: list[int]) -> list:
+    return list(
+        await asyncio.gather(
+            *(manager.join(name, len(ips), ip, port, timeout=30) for ip, port in zip(ips, ports, strict=True))
+        )
+    )
 
 
 def test_manager_installs_per_leaf_and_falls_back_to_flat(tmp_path: Path) -> None:
+    asyncio.run(_installs_per_leaf(tmp_path))
+
+
+async def _installs_per_leaf(tmp_path: Path) -> None:
     spec = parse_two_level(SPEC)
     with (
         SoftwareAggregator(*spec.spine) as spine,
@@ -126,8 +124,8 @@ def test_manager_installs_per_leaf_and_falls_back_to_flat(tmp_path: Path) -> Non
         two = TwoLevelDataPlane(spec, spine, [l0, l1], k=64, default_slots=16384)
         manager = JobManager(Store(tmp_path / "s.db"), [two, SoftwareDataPlane(flat, k=64, default_slots=16)])
         # A job on rack1 only, then one across both racks: the same range on spine and leaves.
-        (only1,) = _join_all(manager, "rack1", ["127.0.2.9"], [7000])
-        both = _join_all(manager, "both", WORKER_IPS, [7001, 7002, 7003, 7004])
+        (only1,) = await _join_all(manager, "rack1", ["127.0.2.9"], [7000])
+        both = await _join_all(manager, "both", WORKER_IPS, [7001, 7002, 7003, 7004])
         assert only1.data_plane == TWO_LEVEL and only1.slot_base == 0
         assert {(a.data_plane, a.job_id, a.slot_base) for a in both} == {(TWO_LEVEL, both[0].job_id, 16384)}
         by_ip = {ip: a for ip, a in zip(WORKER_IPS, both, strict=True)}
@@ -138,32 +136,36 @@ def test_manager_installs_per_leaf_and_falls_back_to_flat(tmp_path: Path) -> Non
         c0, c1, cs = (agg.counters()["jobs"][job] for agg in (l0, l1, spine))
         assert "upstream" in c0 and "upstream" in c1 and "upstream" not in cs  # leaves vs spine
         # The spine has no range of 16384 left: a third job falls back to the flat aggregator.
-        third = _join_all(manager, "third", ["127.0.1.7", "127.0.2.7"], [7005, 7006])
+        third = await _join_all(manager, "third", ["127.0.1.7", "127.0.2.7"], [7005, 7006])
         assert {a.data_plane for a in third} == {SOFTWARE}
         assert {(a.aggregator_ip, a.aggregator_port) for a in third} == {flat.address}
         # A worker behind no leaf: flat too.
-        outside = _join_all(manager, "outside", ["127.0.9.1"], [7007])
+        outside = await _join_all(manager, "outside", ["127.0.9.1"], [7007])
         assert outside[0].data_plane == SOFTWARE
         # Removing the cross-rack job frees its range on all three pools and on the aggregators.
-        manager.teardown("both")
+        await manager.teardown("both")
         assert job not in l0.counters()["jobs"] and job not in spine.counters()["jobs"]
         assert manager.allocator.ranges("two-level:spine") == [(0, 16384)]
         assert manager.allocator.ranges("two-level:rack0") == []
 
 
 def test_sessions_through_the_manager_sum_exactly(tmp_path: Path) -> None:
-    """In process: a real job service, real Sessions on 4 loopback addresses, real aggregators."""
+    asyncio.run(_sessions_sum_exactly(tmp_path))
+
+
+async def _sessions_sum_exactly(tmp_path: Path) -> None:
+    """In process: the job service on this test's loop, real Sessions (threads: they are the
+    workers) on 4 loopback addresses, real aggregators."""
     spec = parse_two_level(SPEC)
     with (
         SoftwareAggregator(*spec.spine) as spine,
         SoftwareAggregator(*spec.leaves[0].listen) as l0,
         SoftwareAggregator(*spec.leaves[1].listen) as l1,
     ):
-        manager = JobManager(
-            Store(tmp_path / "s.db"), [TwoLevelDataPlane(spec, spine, [l0, l1], k=64, default_slots=8)]
-        )
+        two = TwoLevelDataPlane(spec, spine, [l0, l1], k=64, default_slots=8)
+        manager = JobManager(Store(tmp_path / "s.db"), [two])
         server, port = make_server(manager, SECRET, "127.0.0.1:0")
-        server.start()
+        await server.start()
         try:
             results: list = [None] * 4
             seen: list = [None] * 4
@@ -175,15 +177,13 @@ def test_sessions_through_the_manager_sum_exactly(tmp_path: Path) -> None:
                     x = (np.arange(5000, dtype=np.int64) * 3 + s.assignment.rank * 1_000_003).astype(np.int32)
                     s.allreduce(x)
                     results[s.assignment.rank] = x
-                    seen[s.assignment.rank] = [
-                        c for c in manager.planes[TWO_LEVEL].counters() if c.scope == "job"
-                    ]
+                    seen[s.assignment.rank] = [c for c in two.counter_values() if c.scope == "job"]
 
             threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join(120)
+            for t in threads:  # the loop serves the joins while we wait (bounded)
+                await asyncio.to_thread(t.join, 120)
             parts = [np.arange(5000, dtype=np.int64) * 3 + r * 1_000_003 for r in range(4)]
             want = np.sum(parts, axis=0).astype(np.int32)
             for x in results:
@@ -191,7 +191,7 @@ def test_sessions_through_the_manager_sum_exactly(tmp_path: Path) -> None:
             names = {(c.data_plane, c.name) for c in seen[0]}
             assert ("two-level:rack0", "upstream") in names and ("two-level:spine", "aggregated") in names
         finally:
-            server.stop(0)
+            await server.stop(0)
 
 
 def test_serve_two_level_end_to_end_int32_exact(tmp_path: Path) -> None:

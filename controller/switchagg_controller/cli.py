@@ -13,16 +13,15 @@ switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -88,10 +87,16 @@ def _p4_artifacts(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve_on_loop(args))
+
+
+async def _serve_on_loop(args: argparse.Namespace) -> int:
+    """The whole controller on one event loop: the job service (grpc.aio), the job manager, the
+    reaper and every switch's supervisor; the embedded software aggregators are C threads."""
     from switchagg_controller import allocation
     from switchagg_controller.dataplane import DataPlane, P4DataPlane, SoftwareDataPlane
     from switchagg_controller.jobs import JobManager
-    from switchagg_controller.service import Reaper, make_server
+    from switchagg_controller.service import make_server, reap_forever
     from switchagg_controller.store import Store
 
     secret = _secret(args)
@@ -157,9 +162,10 @@ def _serve(args: argparse.Namespace) -> int:
         two_level = TwoLevelDataPlane(spec, nodes[0], nodes[1:], k=args.sw_k, default_slots=args.sw_slots)
         planes.append(two_level)
 
-        def on_node_restart(node: int) -> None:  # a remote node restarted or is back: its jobs again
+        async def on_node_restart(node: int) -> None:  # a remote node restarted or is back: its jobs again
             if manager is not None:
-                installed, removed = two_level.reconcile(node, manager.jobs(allocation.TWO_LEVEL))
+                jobs = manager.jobs(allocation.TWO_LEVEL)  # read on the loop; the node's calls block
+                installed, removed = await asyncio.to_thread(two_level.reconcile, node, jobs)
                 print(
                     f"switchagg-ctl: two-level node {node} reconciled: {installed} job(s) installed, "
                     f"{removed} removed",
@@ -185,64 +191,69 @@ def _serve(args: argparse.Namespace) -> int:
         reap_timeout=args.reap_timeout,
         max_counter_index=max_counter_index,
     )
-    reloaded = manager.reload()
-    if fleet is not None:
-        fleet.start()
-        # Joins that arrive before the switches are programmed would fail; wait for them (bounded).
-        if not fleet.wait_ready(args.switch_wait):
-            for s in fleet.supervisors:
-                if not s.ready:
-                    print(
-                        f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
-                        file=sys.stderr,
-                    )
-    on_join = None
-    served_metrics = ""
-    if args.metrics_port is not None:
-        try:
-            from switchagg_controller.metrics import ControllerMetrics
-        except ImportError as e:
-            raise CliError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
-        controller_metrics = ControllerMetrics(manager, fleet)
-        metrics_host, metrics_port = controller_metrics.serve(args.metrics_port, args.metrics_host)
-        on_join = controller_metrics.observe_join
-        served_metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
-    server, port = make_server(manager, secret, args.listen, on_join=on_join)
-    server.start()
-    reaper = Reaper(manager).start()
-    if node_supervisor is not None:
-        node_supervisor.start()
-    listen = args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
-    agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-    if nodes:
-        spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in nodes)
-        agg += f" two-level spine {spine} leaves {','.join(leaves)}"
-    print(
-        f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
-        flush=True,
-    )
+    reloaded = await manager.reload()
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopped.set)
+    server = None
+    reaper: asyncio.Task[None] | None = None
+    try:
+        if fleet is not None:
+            fleet.start()
+            # Joins that arrive before the switches are programmed would fail; wait for them (bounded).
+            if not await fleet.wait_ready(args.switch_wait):
+                for s in fleet.supervisors:
+                    if not s.ready:
+                        print(
+                            f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
+                            file=sys.stderr,
+                        )
+        on_join = None
+        served_metrics = ""
+        if args.metrics_port is not None:
+            try:
+                from switchagg_controller.metrics import ControllerMetrics
+            except ImportError as e:
+                raise CliError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
+            controller_metrics = ControllerMetrics(manager, fleet, loop)
+            metrics_host, metrics_port = controller_metrics.serve(args.metrics_port, args.metrics_host)
+            on_join = controller_metrics.observe_join
+            served_metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
+        server, port = make_server(manager, secret, args.listen, on_join=on_join)
+        await server.start()
+        reaper = asyncio.create_task(reap_forever(manager), name="reaper")
+        if node_supervisor is not None:
+            node_supervisor.start()
+        listen = (
+            args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
+        )
+        agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
+        if nodes:
+            spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in nodes)
+            agg += f" two-level spine {spine} leaves {','.join(leaves)}"
+        print(
+            f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
+            flush=True,
+        )
+        await stopped.wait()
+    finally:
+        if server is not None:
+            await server.stop(grace=1.0)
+        if reaper is not None:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+        if fleet is not None:
+            await fleet.stop()
+        if node_supervisor is not None:
+            await node_supervisor.stop()
+        if aggregator is not None:
+            aggregator.stop()
+        if nodes:
+            from switchagg_controller.hierarchy import close_nodes
 
-    done = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    done.wait()
-    server.stop(grace=1.0).wait(5.0)
-    reaper.stop()
-    if fleet is not None:
-        fleet.stop()
-    if aggregator is not None:
-        aggregator.stop()
-    if node_supervisor is not None:
-        node_supervisor.stop()
-    if nodes:
-        from switchagg_controller.hierarchy import close_nodes
-
-        close_nodes(nodes)
-    store.close()
+            close_nodes(nodes)
+        store.close()
     return 0
 
 
@@ -312,7 +323,8 @@ def jobs_json(reply: jobs_pb2.ListJobsReply) -> dict[str, Any]:
 
 
 def counters_json(reply: jobs_pb2.CountersReply) -> dict[str, Any]:
-    """`counters --json`: per data plane, totals/drops/faults by name and per-job counters."""
+    """`counters --json`: per data plane, totals/drops/faults by name and per-job counters; the
+    data planes that could not be read (a switch that is away) under "unavailable", with why."""
     planes: dict[str, dict[str, Any]] = {}
     for c in reply.counters:
         plane = planes.setdefault(
@@ -328,7 +340,8 @@ def counters_json(reply: jobs_pb2.CountersReply) -> dict[str, Any]:
             plane[c.scope][c.name] = c.packets
     for plane in planes.values():
         plane["jobs"] = [plane["jobs"][i] for i in sorted(plane["jobs"])]
-    return {"data_planes": list(planes.values())}
+    unavailable = [{"data_plane": u.data_plane, "error": u.error} for u in reply.unavailable]
+    return {"data_planes": list(planes.values()), "unavailable": unavailable}
 
 
 def format_counters(reply: jobs_pb2.CountersReply) -> str:
@@ -350,6 +363,8 @@ def format_counters(reply: jobs_pb2.CountersReply) -> str:
                 lines.append(
                     f"  {job_id:>6} " + " ".join(f"{values.get(n, 0):>16}" for n in protocol.JOB_COUNTERS)
                 )
+    for u in reply.unavailable:
+        lines.append(f"[{u.data_plane}]\n  unavailable: {u.error}")
     return "\n".join(lines) if lines else "no counters"
 
 

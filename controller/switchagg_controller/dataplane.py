@@ -1,13 +1,15 @@
-"""The two places a job can run: the P4 switch and the software aggregator.
+"""The places a job can run: the P4 switches and the software aggregator.
 
 The job manager only calls install/remove; how a job reaches the data plane (P4Runtime writes
-of the whole desired state, or add_job on the C aggregator) is hidden here.
+of the whole desired state, or add_job on the C aggregator) is hidden here. Everything runs on
+the controller's event loop: the software aggregator's C calls (add_job, remove_job, counters)
+take about 0.1 ms and are called directly; the P4 switches are awaited.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from switchagg import protocol
@@ -27,6 +29,15 @@ class CounterValue:
     index: int  # job id for scope "job"
     packets: int
     bytes: int = 0
+
+
+@dataclass
+class CounterReading:
+    """A data plane's counters; ``unavailable``: the parts (data plane labels, e.g. "p4:s1") that
+    could not be read, each with the reason (a switch that is away)."""
+
+    values: list[CounterValue] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 class DataPlaneError(Exception):
@@ -61,15 +72,15 @@ class DataPlane(Protocol):
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr: ...
 
-    def install(self, job: Job) -> None: ...
+    async def install(self, job: Job) -> None: ...
 
-    def remove(self, job: Job) -> None: ...
+    async def remove(self, job: Job) -> None: ...
 
-    def restore(self, jobs: list[Job]) -> None:
+    async def restore(self, jobs: list[Job]) -> None:
         """Installs reloaded jobs; where the data plane is not reachable yet it applies them later."""
         ...
 
-    def counters(self) -> list[CounterValue]: ...
+    async def counters(self) -> CounterReading: ...
 
 
 def job_counters(plane: str, c: Counters) -> list[CounterValue]:
@@ -98,7 +109,6 @@ class SoftwareDataPlane:
         self.k, self.default_slots = k, default_slots
         self._ip = advertised_ip or aggregator.address[0]
         self._installed: set[int] = set()
-        self._lock = threading.Lock()
 
     @property
     def aggregator(self) -> tuple[str, int]:
@@ -116,38 +126,39 @@ class SoftwareDataPlane:
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         return WorkerAddr(rank, ip, udp_port)
 
-    def install(self, job: Job) -> None:
+    async def install(self, job: Job) -> None:
         addrs = [(w.ip, w.udp_port) for w in sorted(job.workers, key=lambda w: w.rank)]
-        with self._lock:
-            if job.job_id in self._installed:  # a reinstall with a new generation
-                self.agg.remove_job(job.job_id)
-                self._installed.discard(job.job_id)
-            try:
-                self.agg.add_job(
-                    job.job_id,
-                    job.n,
-                    job.slot_base,
-                    job.slot_count,
-                    job.k,
-                    job.generation,
-                    addrs,
-                    name=job.name,
-                )
-            except Exception as e:
-                raise DataPlaneError(f"the software aggregator refused job {job.job_id}: {e}") from e
-            self._installed.add(job.job_id)
+        if job.job_id in self._installed:  # a reinstall with a new generation
+            self.agg.remove_job(job.job_id)
+            self._installed.discard(job.job_id)
+        try:
+            self.agg.add_job(
+                job.job_id,
+                job.n,
+                job.slot_base,
+                job.slot_count,
+                job.k,
+                job.generation,
+                addrs,
+                name=job.name,
+            )
+        except Exception as e:
+            raise DataPlaneError(f"the software aggregator refused job {job.job_id}: {e}") from e
+        self._installed.add(job.job_id)
 
-    def restore(self, jobs: list[Job]) -> None:
+    async def restore(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self.install(job)
+            await self.install(job)
 
-    def remove(self, job: Job) -> None:
-        with self._lock:
-            if job.job_id in self._installed:
-                self._installed.discard(job.job_id)
-                self.agg.remove_job(job.job_id)
+    async def remove(self, job: Job) -> None:
+        if job.job_id in self._installed:
+            self._installed.discard(job.job_id)
+            self.agg.remove_job(job.job_id)
 
-    def counters(self) -> list[CounterValue]:
+    async def counters(self) -> CounterReading:
+        return CounterReading(self.counter_values())
+
+    def counter_values(self) -> list[CounterValue]:
         c = self.agg.counters()
         out = [CounterValue(self.name, "total", name, 0, int(c[name])) for name in ("rx", "tx")]
         out += [
@@ -173,7 +184,6 @@ class P4DataPlane:
         self.k = protocol.P4_K
         self.default_slots = default_slots
         self._jobs: dict[int, Job] = {}
-        self._lock = threading.Lock()
 
     def attach(self, supervisor: SwitchSupervisor) -> None:
         self.supervisors[supervisor.name] = supervisor
@@ -252,8 +262,7 @@ class P4DataPlane:
         return WorkerAddr(rank, ip, udp_port, host.mac, host.port)
 
     def jobs_on(self, switch: str) -> list[Job]:
-        with self._lock:
-            jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
+        jobs = sorted(self._jobs.values(), key=lambda j: j.job_id)
         return [j for j in jobs if switch in self.switches_of(j)]
 
     def desired(self, switch: str) -> SwitchState:
@@ -282,82 +291,99 @@ class P4DataPlane:
 
     def set_jobs(self, jobs: list[Job]) -> None:
         """Replaces (or adds) known jobs without pushing (reload, or new generations after a restart)."""
-        with self._lock:
-            self._jobs.update({j.job_id: j for j in jobs})
+        self._jobs.update({j.job_id: j for j in jobs})
 
-    def _push(self, switch: str) -> None:
+    async def _push(self, switch: str) -> None:
         supervisor = self.supervisors.get(switch)
         if supervisor is None:
             from switchagg_controller.supervisor import SwitchUnavailable
 
             raise SwitchUnavailable(f"switch {switch} has no supervisor")
-        supervisor.push()
+        await supervisor.push()
 
-    def restore(self, jobs: list[Job]) -> None:
-        with self._lock:
-            self._jobs = {j.job_id: j for j in jobs}
+    async def restore(self, jobs: list[Job]) -> None:
+        self._jobs = {j.job_id: j for j in jobs}
         for switch in {s for j in jobs for s in self.switches_of(j)}:
             try:
-                self._push(switch)
+                await self._push(switch)
             except Exception:  # noqa: S110 - not connected yet; the supervisor applies it on connect
                 pass
 
-    def install(self, job: Job) -> None:
+    async def install(self, job: Job) -> None:
         switches = self.switches_of(job)  # the spine first: a leaf's first partial must find the job
         switch = switches[0]
-        with self._lock:
-            previous = self._jobs.get(job.job_id)
-            self._jobs[job.job_id] = job
+        previous = self._jobs.get(job.job_id)
+        self._jobs[job.job_id] = job
         try:
             for switch in switches:
-                self._push(switch)
+                await self._push(switch)
         except Exception as e:
-            with self._lock:  # not on the switch: forget it, so a later push does not install it
-                if previous is None:
-                    self._jobs.pop(job.job_id, None)
-                else:
-                    self._jobs[job.job_id] = previous
+            # Not on the switch: forget it, so a later push does not install it.
+            if previous is None:
+                self._jobs.pop(job.job_id, None)
+            else:
+                self._jobs[job.job_id] = previous
             for other in switches[: switches.index(switch)]:  # take it off the switches it reached
                 try:
-                    self._push(other)
+                    await self._push(other)
                 except Exception:  # noqa: S110 - the supervisor reapplies the desired state when back
                     pass
             from switchagg_controller.supervisor import SwitchUnavailable
 
-            unavailable = isinstance(e, SwitchUnavailable | TimeoutError)
+            unavailable = isinstance(e, SwitchUnavailable | asyncio.TimeoutError)
             raise DataPlaneError(
                 f"installing job {job.job_id} on P4 switch {switch} failed: {e}", unavailable
             ) from e
 
-    def remove(self, job: Job) -> None:
-        with self._lock:
-            self._jobs.pop(job.job_id, None)
+    async def remove(self, job: Job) -> None:
+        self._jobs.pop(job.job_id, None)
         for switch in reversed(self.switches_of(job)):
             try:
-                self._push(switch)
+                await self._push(switch)
             except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
                 pass
 
-    def counters(self) -> list[CounterValue]:
+    def label(self, switch: str) -> str:
+        """The data plane label of a switch's counters: "p4", or "p4:NAME" with several switches."""
+        return self.name if len(self.supervisors) == 1 else f"{self.name}:{switch}"
+
+    async def counters(self, timeout: float = 5.0) -> CounterReading:
+        """Every switch's counters, read in parallel; a switch that is away (or slower than
+        ``timeout``) is left out and named in ``unavailable``, the others answer."""
         from switchagg_controller import p4_program
 
-        out = []
-        for switch, supervisor in self.supervisors.items():
-            plane = self.name if len(self.supervisors) == 1 else f"{self.name}:{switch}"
-            drops = supervisor.read_counter(p4_program.DROP_COUNTER)
-            out += [
+        names = [
+            p4_program.DROP_COUNTER,
+            *p4_program.JOB_COUNTER_NAMES.values(),
+            *p4_program.LEAF_COUNTER_NAMES.values(),
+        ]
+        supervisors = list(self.supervisors.values())
+
+        async def one(s: SwitchSupervisor) -> dict[str, dict[int, tuple[int, int]]] | Exception:
+            try:
+                return await asyncio.wait_for(s.read_counters(names), timeout)
+            except Exception as e:
+                return e
+
+        reading = CounterReading()
+        for s, values in zip(supervisors, await asyncio.gather(*map(one, supervisors)), strict=True):
+            plane = self.label(s.name)
+            if isinstance(values, Exception):
+                reading.unavailable[plane] = str(values) or type(values).__name__
+                continue
+            drops = values[p4_program.DROP_COUNTER]
+            reading.values += [
                 CounterValue(plane, "drops", name, 0, drops.get(i, (0, 0))[1], drops.get(i, (0, 0))[0])
                 for i, name in enumerate(protocol.DROP_REASONS)
             ]
-            jobs = self.jobs_on(switch)
-            leaf_jobs = [j for j in jobs if self.is_leaf_of(j, switch)]
-            for names, counted in (
+            jobs = self.jobs_on(s.name)
+            leaf_jobs = [j for j in jobs if self.is_leaf_of(j, s.name)]
+            for counter_names, counted in (
                 (p4_program.JOB_COUNTER_NAMES, jobs),
                 (p4_program.LEAF_COUNTER_NAMES, leaf_jobs),
             ):
-                for name, counter in names.items():
-                    values = supervisor.read_counter(counter) if counted else {}
+                for name, counter in counter_names.items():
                     for job in counted:
-                        nbytes, packets = values.get(job.counter_index, (0, 0))
-                        out.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
-        return out
+                        nbytes, packets = values[counter].get(job.counter_index, (0, 0))
+                        reading.values.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
+        return reading

@@ -24,19 +24,20 @@ to this file) its shared secret:
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import yaml
 
 from switchagg import protocol
 from switchagg_controller import allocation
-from switchagg_controller.dataplane import CounterValue, DataPlaneError, job_counters
+from switchagg_controller.dataplane import CounterReading, CounterValue, DataPlaneError, job_counters
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.topology import TopologyError, _Node, read_config
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
 
 Address = tuple[str, int]
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
@@ -163,7 +165,13 @@ class TwoLevelDataPlane:
     """Jobs on software leaves and a software spine. A job takes one slot range free on the spine
     and on every leaf it crosses; on each leaf it is installed with the job's total n, the local
     ranks' addresses, upstream = the spine, leaf_index = the leaf's position among the job's
-    leaves; on the spine with n = that many leaves and rank l = leaf l's address."""
+    leaves; on the spine with n = that many leaves and rank l = leaf l's address.
+
+    The async methods are what the job manager awaits on the controller's loop. Embedded nodes
+    are called directly (each C call about 0.1 ms); with a remote node among them, a change or a
+    counter read is a blocking gRPC call (up to its 2 s timeout), so it runs in a worker thread
+    (asyncio.to_thread), and ``_lock`` keeps such a change apart from a reconcile.
+    """
 
     name = allocation.TWO_LEVEL
 
@@ -181,6 +189,9 @@ class TwoLevelDataPlane:
         self.k, self.default_slots = k, default_slots
         self._installed: set[int] = set()
         self._lock = threading.Lock()
+        from switchagg.aggregator_control import RemoteAggregator
+
+        self.remote = any(isinstance(a, RemoteAggregator) for a in (spine, *leaves))
 
     @property
     def aggregator(self) -> tuple[str, int]:
@@ -241,7 +252,25 @@ class TwoLevelDataPlane:
             name=job.name, upstream=self.spine.address, leaf_index=leaves.index(i),
         )  # fmt: skip
 
-    def install(self, job: Job) -> None:
+    async def _off_loop(self, call: Callable[..., _T], *args: object) -> _T:
+        """``call(*args)``: in a worker thread when a remote node may block, else right here."""
+        return await asyncio.to_thread(call, *args) if self.remote else call(*args)
+
+    async def install(self, job: Job) -> None:
+        await self._off_loop(self._install, job)
+
+    async def remove(self, job: Job) -> None:
+        await self._off_loop(self._remove, job)
+
+    async def restore(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            await self.install(job)
+
+    async def counters(self) -> CounterReading:
+        """Every node's counters; a remote node that does not answer is named in ``unavailable``."""
+        return await self._off_loop(self._counters)
+
+    def _install(self, job: Job) -> None:
         with self._lock:
             if job.job_id in self._installed:  # a reinstall with a new generation
                 self._remove_locked(job)
@@ -267,7 +296,7 @@ class TwoLevelDataPlane:
             except Exception as e:  # a remote node that is unreachable: reconcile() clears it later
                 log.warning("removing job %d from a two-level node failed: %s", job.job_id, e)
 
-    def remove(self, job: Job) -> None:
+    def _remove(self, job: Job) -> None:
         with self._lock:
             if job.job_id in self._installed:
                 self._remove_locked(job)
@@ -296,23 +325,27 @@ class TwoLevelDataPlane:
                 self._add_on(job, node)
             return len(missing), len(stale)
 
-    def restore(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            self.install(job)
-
-    def counters(self) -> list[CounterValue]:
-        out = []
+    def _counters(self) -> CounterReading:
+        reading = CounterReading()
         named = [
             (SPINE, self.spine),
             *((s.name, a) for s, a in zip(self.spec.leaves, self.leaves, strict=True)),
         ]
         for node, agg in named:
             plane = f"{self.name}:{node}"
-            c = agg.counters()
-            out += [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
+            try:
+                c = agg.counters()
+            except Exception as e:  # a remote node that is away: the others still answer
+                reading.unavailable[plane] = str(e) or type(e).__name__
+                continue
+            out = [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
             out += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
-            out += job_counters(plane, c)
-        return out
+            reading.values += out + job_counters(plane, c)
+        return reading
+
+    def counter_values(self) -> list[CounterValue]:
+        """The counters, here and now (tests; the job manager awaits ``counters``)."""
+        return self._counters().values
 
 
 def _secret(remote: Remote) -> str:
@@ -418,27 +451,33 @@ WATCH_INTERVAL_S = 1.0
 
 class NodeSupervisor:
     """Polls the remote aggregators (NodeWatch) and hands each one that restarted or came back
-    to ``on_restart(node)``, which reconciles its jobs (TwoLevelDataPlane.reconcile)."""
+    to ``on_restart(node)``, which reconciles its jobs (TwoLevelDataPlane.reconcile). A task on the
+    controller's loop; each poll is blocking gRPC, so it runs in a worker thread."""
 
     def __init__(
-        self, watch: NodeWatch, on_restart: Callable[[int], None], interval: float = WATCH_INTERVAL_S
+        self,
+        watch: NodeWatch,
+        on_restart: Callable[[int], Awaitable[None]],
+        interval: float = WATCH_INTERVAL_S,
     ):
         self.watch, self.on_restart, self.interval = watch, on_restart, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="switchagg-node-watch", daemon=True)
+        self._task: asyncio.Task[None] | None = None
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            for node in self.watch.poll():
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            for node in await asyncio.to_thread(self.watch.poll):
                 try:
-                    self.on_restart(node)
+                    await self.on_restart(node)
                 except Exception:  # keep watching: the next restart must still be handled
                     log.exception("reinstalling the jobs of two-level node %d failed", node)
 
     def start(self) -> NodeSupervisor:
-        self._thread.start()
+        """Call it on the loop."""
+        self._task = asyncio.create_task(self._run(), name="switchagg-node-watch")
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10.0)
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

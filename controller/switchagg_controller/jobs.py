@@ -1,16 +1,21 @@
 """The job manager: joins, rank and slot assignment, installation, leave, teardown and reaping.
 
-A job exists in two phases. *Pending*: workers are arriving; each Join blocks. When the last of
+A job exists in two phases. *Pending*: workers are arriving; each Join waits. When the last of
 the world_size workers arrives, the job gets an id, ranks, a slot range (P4 switch first, the
 software aggregator as fallback), a fresh generation, is installed on its data plane, saved in
 the store, and every waiting Join returns. *Active*: workers heartbeat; the job is removed when
 all its workers left, on teardown, or when a worker has been silent for the reap timeout.
+
+asyncio, on the controller's one loop (the job service's, and the switches'): what runs between
+two awaits needs no lock. The one lock, ``_changing``, keeps data plane changes (install, remove)
+one at a time, because they await the switch: the job ids, counter indices and desired states
+one change computes must not interleave with another's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,6 +56,8 @@ class _Pending:
     job: Job | None = None  # set when complete and installed
     data_plane: str = ""
     error: JobError | None = None
+    full: asyncio.Event = field(default_factory=asyncio.Event)  # all joined, or torn down
+    settled: asyncio.Task[None] | None = None  # placing and installing it (not cancelled with a caller)
 
 
 @dataclass
@@ -102,13 +109,13 @@ class JobManager:
         self.join_timeout, self.reap_timeout = join_timeout, reap_timeout
         self.max_counter_index = max_counter_index
         self.clock = clock
-        self._cond = threading.Condition()
+        self._changing = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}
         self._active: dict[int, _Active] = {}
 
     # -- startup -----------------------------------------------------------------------------
 
-    def reload(self) -> list[Job]:
+    async def reload(self) -> list[Job]:
         """Loads the stored jobs and reinstalls each with a new generation (its data plane may be new)."""
         loaded: dict[str, list[Job]] = {name: [] for name in self.planes}
         for record in self.store.load():
@@ -129,12 +136,12 @@ class JobManager:
             self._active[job.job_id] = _Active(record, {w.rank: now for w in job.workers})
             loaded[record.data_plane].append(record.job)
         for name, jobs in loaded.items():
-            self.planes[name].restore(jobs)
+            await self.planes[name].restore(jobs)
         return [j for jobs in loaded.values() for j in jobs]
 
     # -- join ---------------------------------------------------------------------------------
 
-    def join(
+    async def join(
         self,
         name: str,
         world_size: int,
@@ -142,65 +149,72 @@ class JobManager:
         udp_port: int,
         rank: int | None = None,
         timeout: float | None = None,
-        alive: Callable[[], bool] = lambda: True,
     ) -> Assignment:
-        """Blocks until the job is complete and installed; ``alive`` says the caller still waits."""
+        """Waits until the job is complete and installed. A caller cancelled while the others are
+        still missing (the worker gave up) is dropped from the job."""
         self._check_join(name, world_size, ip, udp_port, rank)
         wait = self.join_timeout if not timeout or timeout <= 0 else min(timeout, self.join_timeout)
-        deadline = self.clock() + wait
-        with self._cond:
-            for active in self._active.values():
-                job = active.record.job
-                if job.name != name:
-                    continue
-                for w in job.workers:
-                    if (w.ip, w.udp_port) == (ip, udp_port):
-                        raise JobError(
-                            grpc.StatusCode.ALREADY_EXISTS,
-                            f"{ip}:{udp_port} already joined job {name!r} as rank {w.rank}",
-                        )
-                raise JobError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"job {name!r} is already running with all {job.n} workers",
-                )
-            pending = self._pending.setdefault(name, _Pending(name, world_size))
-            self._check_member(pending, world_size, ip, udp_port, rank)
-            member = _Member(ip, udp_port, rank)
-            pending.members.append(member)
-            if len(pending.members) == pending.world_size:
-                del self._pending[name]
-                self._complete(pending)
-                self._cond.notify_all()
-            while pending.job is None and pending.error is None:
-                remaining = deadline - self.clock()
-                if remaining <= 0 or not alive():
-                    pending.members.remove(member)
-                    if not pending.members and self._pending.get(name) is pending:
-                        del self._pending[name]
+        for active in self._active.values():
+            job = active.record.job
+            if job.name != name:
+                continue
+            for w in job.workers:
+                if (w.ip, w.udp_port) == (ip, udp_port):
                     raise JobError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"job {name!r}: {len(pending.members) + 1} of {world_size} workers joined "
-                        f"within {wait:g} s; the others never came",
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"{ip}:{udp_port} already joined job {name!r} as rank {w.rank}",
                     )
-                self._cond.wait(min(remaining, 0.5))  # wakes up to notice a cancelled caller
-            if pending.error is not None:
-                raise pending.error
-            done = pending.job
-            assert done is not None
-            my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
-            agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done, my.rank)
-            return Assignment(
-                pending.data_plane,
-                agg_ip,
-                agg_port,
-                done.job_id,
-                my.rank,
-                done.n,
-                done.slot_base,
-                done.slot_count,
-                done.k,
-                done.generation,
+            raise JobError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {name!r} is already running with all {job.n} workers",
             )
+        pending = self._pending.setdefault(name, _Pending(name, world_size))
+        self._check_member(pending, world_size, ip, udp_port, rank)
+        member = _Member(ip, udp_port, rank)
+        pending.members.append(member)
+        if len(pending.members) == pending.world_size:
+            del self._pending[name]
+            pending.settled = asyncio.create_task(self._complete(pending), name=f"complete job {name}")
+            pending.full.set()
+        try:
+            await asyncio.wait_for(pending.full.wait(), wait)
+        except asyncio.CancelledError:  # the caller gave up
+            if not pending.full.is_set():
+                self._drop(pending, member)
+            raise
+        except asyncio.TimeoutError:
+            if not pending.full.is_set():
+                self._drop(pending, member)
+                raise JobError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"job {name!r}: {len(pending.members) + 1} of {world_size} workers joined "
+                    f"within {wait:g} s; the others never came",
+                ) from None
+        if pending.settled is not None:
+            await asyncio.shield(pending.settled)  # a caller that gives up does not stop the install
+        if pending.error is not None:
+            raise pending.error
+        done = pending.job
+        assert done is not None
+        my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
+        agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done, my.rank)
+        return Assignment(
+            pending.data_plane,
+            agg_ip,
+            agg_port,
+            done.job_id,
+            my.rank,
+            done.n,
+            done.slot_base,
+            done.slot_count,
+            done.k,
+            done.generation,
+        )
+
+    def _drop(self, pending: _Pending, member: _Member) -> None:
+        pending.members.remove(member)
+        if not pending.members and self._pending.get(pending.name) is pending:
+            del self._pending[pending.name]
 
     @staticmethod
     def _check_join(name: str, world_size: int, ip: str, udp_port: int, rank: int | None) -> None:
@@ -238,8 +252,17 @@ class JobManager:
                     f"rank {rank} of job {pending.name!r} is already taken by {m.ip}:{m.udp_port}",
                 )
 
-    def _complete(self, pending: _Pending) -> None:
+    async def _complete(self, pending: _Pending) -> None:
         """Assigns ranks and slots and installs; any failure is handed to every waiting worker."""
+        try:
+            async with self._changing:
+                await self._place(pending)
+        except DataPlaneError as e:
+            pending.error = JobError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"job {pending.name!r}: {e}")
+        except Exception as e:  # a bug or a broken store: every waiting worker hears it
+            pending.error = JobError(grpc.StatusCode.INTERNAL, f"job {pending.name!r}: {e}")
+
+    async def _place(self, pending: _Pending) -> None:
         taken = {m.requested_rank for m in pending.members if m.requested_rank is not None}
         free = iter(r for r in range(pending.world_size) if r not in taken)
         ranks = [m.requested_rank if m.requested_rank is not None else next(free) for m in pending.members]
@@ -275,7 +298,7 @@ class JobManager:
                 counter_index=self._free_counter_index(plane_name),
             )
             try:
-                plane.install(job)
+                await plane.install(job)
             except DataPlaneError as e:
                 self.allocator.release(placement)
                 errors.append(str(e))
@@ -316,143 +339,138 @@ class JobManager:
         return active
 
     def heartbeat(self, job_id: int, rank: int) -> int:
-        with self._cond:
-            active = self._get(job_id, rank)
-            if rank in active.record.left:
-                raise JobError(grpc.StatusCode.FAILED_PRECONDITION, f"rank {rank} already left job {job_id}")
-            active.last_seen[rank] = self.clock()
-            return active.record.job.generation
+        active = self._get(job_id, rank)
+        if rank in active.record.left:
+            raise JobError(grpc.StatusCode.FAILED_PRECONDITION, f"rank {rank} already left job {job_id}")
+        active.last_seen[rank] = self.clock()
+        return active.record.job.generation
 
-    def leave(self, job_id: int, rank: int) -> bool:
+    async def leave(self, job_id: int, rank: int) -> bool:
         """Marks a rank as gone; the job is removed once all ranks left (the others may still
         need a resent result, so the first to leave cannot free the slots)."""
-        with self._cond:
-            active = self._get(job_id, rank)
-            active.record.left.add(rank)
-            if len(active.record.left) < active.record.job.n:
-                self.store.mark_left(job_id, rank)
-                return False
-            self._remove(active)
-            return True
+        active = self._get(job_id, rank)
+        active.record.left.add(rank)
+        if len(active.record.left) < active.record.job.n:
+            self.store.mark_left(job_id, rank)
+            return False
+        async with self._changing:
+            if self._active.get(job_id) is active:  # not removed while we waited
+                await self._remove(active)
+        return True
 
-    def teardown(self, job: str) -> int:
-        with self._cond:
+    async def teardown(self, job: str) -> int:
+        async with self._changing:  # a job being installed is torn down once it is
             for active in list(self._active.values()):
                 if active.record.job.name == job or str(active.record.job.job_id) == job:
-                    self._remove(active)
+                    await self._remove(active)
                     return active.record.job.job_id
             pending = self._pending.pop(job, None)
             if pending is not None:
                 pending.error = JobError(grpc.StatusCode.ABORTED, f"job {job!r} was torn down while joining")
-                self._cond.notify_all()
+                pending.full.set()
                 return 0
         raise JobError(grpc.StatusCode.NOT_FOUND, f"no job named or numbered {job!r}")
 
-    def _remove(self, active: _Active) -> None:
+    async def _remove(self, active: _Active) -> None:
+        """Under ``_changing``."""
         job = active.record.job
         del self._active[job.job_id]
         self.store.delete(job.job_id)
-        self.planes[active.record.data_plane].remove(job)
         plane = self.planes[active.record.data_plane]
+        await plane.remove(job)
         self.allocator.release(
             Placement(active.record.data_plane, job.slot_base, job.slot_count, plane.slot_pools(job.workers))
         )
 
-    def reap(self) -> list[int]:
+    async def reap(self) -> list[int]:
         """Removes jobs with a worker silent for longer than the reap timeout; returns their ids.
 
         Aggregation traffic counts as a sign of life too: a job whose data plane counters moved
         since the last look is kept, so workers that never heartbeat are not reaped mid-training.
         """
         now = self.clock()
-        with self._cond:
-            candidates = [
-                (job_id, a.record)
-                for job_id, a in self._active.items()
-                if any(
-                    r not in a.record.left and now - seen > self.reap_timeout
-                    for r, seen in a.last_seen.items()
-                )
-            ]
-        # Counters are read without the lock: a switch read may take a while.
-        activity = {job_id: self._activity(record) for job_id, record in candidates}
+        candidates = [
+            (job_id, a.record)
+            for job_id, a in self._active.items()
+            if any(
+                r not in a.record.left and now - seen > self.reap_timeout for r, seen in a.last_seen.items()
+            )
+        ]
+        if not candidates:
+            return []
+        seen_activity = await asyncio.gather(*(self._activity(record) for _, record in candidates))
         reaped = []
-        with self._cond:
-            for job_id, record in candidates:
+        async with self._changing:
+            for (job_id, record), activity in zip(candidates, seen_activity, strict=True):
                 active = self._active.get(job_id)
                 if active is None or active.record is not record:
                     continue
-                baseline, active.activity = active.activity, activity[job_id]
-                if activity[job_id] is None or baseline is None:
+                baseline, active.activity = active.activity, activity
+                if activity is None or baseline is None:
                     # Unknown (data plane unreadable, e.g. the switch restarting) or a first look:
                     # keep the job until a later look can tell whether its traffic moved.
                     continue
-                if activity[job_id] != baseline:
+                if activity != baseline:
                     active.last_seen = dict.fromkeys(active.last_seen, self.clock())
                     continue
-                self._remove(active)
+                await self._remove(active)
                 reaped.append(job_id)
         return reaped
 
-    def _activity(self, record: JobRecord) -> int | None:
+    async def _activity(self, record: JobRecord) -> int | None:
         """A number that changes when the job's packets are aggregated (None: unknown)."""
         try:
-            counters = self.planes[record.data_plane].counters()
+            reading = await self.planes[record.data_plane].counters()
         except Exception:  # unreadable right now: no evidence either way
             return None
-        return sum(c.packets for c in counters if c.scope == "job" and c.index == record.job.job_id)
+        mine = [c.packets for c in reading.values if c.scope == "job" and c.index == record.job.job_id]
+        if not mine and reading.unavailable:  # its switch did not answer
+            return None
+        return sum(mine)
 
     def bump_generations(
         self, plane_name: str, select: Callable[[Job], bool] = lambda job: True
     ) -> list[Job]:
         """New generations for the (selected) jobs on a data plane (it, or one of its switches,
         restarted: their slot state is gone)."""
-        with self._cond:
-            jobs = []
-            for active in self._active.values():
-                if active.record.data_plane == plane_name and select(active.record.job):
-                    active.record.job = replace(active.record.job, generation=self.store.next_generation())
-                    self.store.save(active.record)
-                    jobs.append(active.record.job)
-            return jobs
+        jobs = []
+        for active in self._active.values():
+            if active.record.data_plane == plane_name and select(active.record.job):
+                active.record.job = replace(active.record.job, generation=self.store.next_generation())
+                self.store.save(active.record)
+                jobs.append(active.record.job)
+        return jobs
 
     def jobs(self, plane_name: str | None = None) -> list[Job]:
-        with self._cond:
-            return [
-                a.record.job
-                for a in self._active.values()
-                if plane_name is None or a.record.data_plane == plane_name
-            ]
+        return [
+            a.record.job
+            for a in self._active.values()
+            if plane_name is None or a.record.data_plane == plane_name
+        ]
 
-    def list(self, timeout: float = -1) -> list[JobView]:
-        """The jobs; TimeoutError if the manager stays busy (e.g. installing) for ``timeout`` s."""
-        if not self._cond.acquire(timeout=timeout):
-            raise TimeoutError(f"the job manager stayed busy for {timeout:g} s")
-        try:
-            views = [
-                JobView(
-                    a.record.job.name,
-                    "active",
-                    a.record.data_plane,
-                    a.record.job.n,
-                    a.record.job,
-                    tuple((w.ip, w.udp_port) for w in a.record.job.workers),
-                    frozenset(a.record.left),
-                )
-                for a in sorted(self._active.values(), key=lambda a: a.record.job.job_id)
-            ]
-            views += [
-                JobView(
-                    p.name,
-                    "pending",
-                    "",
-                    p.world_size,
-                    None,
-                    tuple((m.ip, m.udp_port) for m in p.members),
-                    frozenset(),
-                )
-                for p in self._pending.values()
-            ]
-        finally:
-            self._cond.release()
+    def list(self) -> list[JobView]:
+        views = [
+            JobView(
+                a.record.job.name,
+                "active",
+                a.record.data_plane,
+                a.record.job.n,
+                a.record.job,
+                tuple((w.ip, w.udp_port) for w in a.record.job.workers),
+                frozenset(a.record.left),
+            )
+            for a in sorted(self._active.values(), key=lambda a: a.record.job.job_id)
+        ]
+        views += [
+            JobView(
+                p.name,
+                "pending",
+                "",
+                p.world_size,
+                None,
+                tuple((m.ip, m.udp_port) for m in p.members),
+                frozenset(),
+            )
+            for p in self._pending.values()
+        ]
         return views

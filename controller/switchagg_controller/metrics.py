@@ -7,11 +7,17 @@ controller knows: jobs by state, join latency, and each switch's supervisor coun
 
 A scrape never waits long: each switch is read with a bound (``read_timeout``), all switches in
 parallel; a switch that is away or slow is `switchagg_switch_up 0` and its counters are left out
-(not zeros, which would read as a counter reset). The job list is taken with a bounded wait for
-the job manager's lock (held while a job is installed); a busy manager gives the last list.
+(not zeros, which would read as a counter reset).
+
+prometheus_client serves the scrape from a thread of its own; that thread is the one place that
+meets the controller's event loop: it asks the loop for one snapshot (``_snapshot``, every read
+of the controller's state and of the switches made there) and builds the families from it.
 """
 
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,10 +45,26 @@ _SUPERVISOR_COUNTERS = (
 )
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one scrape shows, taken on the event loop."""
+
+    samples: list[metrics.DataPlaneSample]
+    up: list[tuple[str, str, int]]  # (switch, data plane, 1 or 0)
+    supervisors: list[tuple[str, bool, dict[str, int]]]  # (switch, primary, counter attributes)
+    views: list[JobView]
+
+
 class ControllerMetrics:
-    def __init__(self, manager: JobManager, fleet: SwitchFleet | None, read_timeout: float = 2.0) -> None:
-        self.manager, self.fleet, self.read_timeout = manager, fleet, read_timeout
-        self._views: list[JobView] = []
+    def __init__(
+        self,
+        manager: JobManager,
+        fleet: SwitchFleet | None,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout: float = 2.0,
+    ) -> None:
+        """``loop``: the controller's, where the manager and the fleet live."""
+        self.manager, self.fleet, self.loop, self.read_timeout = manager, fleet, loop, read_timeout
         self.join_seconds = Histogram(
             "switchagg_join_seconds",
             "Time a worker's Join waited, call to answer (the job's other workers included)",
@@ -64,30 +86,44 @@ class ControllerMetrics:
     # -- one scrape ----------------------------------------------------------------------------
 
     def families(self) -> list[Metric]:
-        samples: list[metrics.DataPlaneSample] = []
+        """In prometheus_client's thread: one snapshot from the loop, then the families."""
+        snap = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(self.read_timeout + 10)
         up = GaugeMetricFamily(
             "switchagg_switch_up", "1 if the data plane answered this scrape's reads", labels=list(SWITCH)
         )
+        for switch, plane, value in snap.up:
+            up.add_metric([switch, plane], value)
+        out: list[Metric] = [up]
+        if self.fleet is not None:
+            out += self._supervisor_families(snap.supervisors)
+        out += metrics.data_plane_families(snap.samples)
+        out.append(self._jobs_by_state(snap.views))
+        return out
+
+    async def _snapshot(self) -> _Snapshot:
+        samples: list[metrics.DataPlaneSample] = []
+        up: list[tuple[str, str, int]] = []
         software = self.manager.planes.get(allocation.SOFTWARE)
         if isinstance(software, SoftwareDataPlane):
             sample = software.agg.metrics_sample()
             samples.append(sample)
-            up.add_metric([sample.switch, sample.data_plane], 1)
-        out: list[Metric] = [up]
+            up.append((sample.switch, sample.data_plane, 1))
         p4 = self.manager.planes.get(allocation.P4)
+        supervisors = []
         if isinstance(p4, P4DataPlane) and self.fleet is not None:
-            read = self.fleet.read_counters(_P4_COUNTERS, self.read_timeout)
+            read = await self.fleet.read_counters(_P4_COUNTERS, self.read_timeout)
             free = self.manager.allocator.free_slots(allocation.P4)  # one pool for all switches
             for switch, values in read.items():
                 if isinstance(values, Exception):
-                    up.add_metric([switch, allocation.P4], 0)
+                    up.append((switch, allocation.P4, 0))
                     continue
-                up.add_metric([switch, allocation.P4], 1)
+                up.append((switch, allocation.P4, 1))
                 samples.append(self._p4_sample(p4, switch, values, free))
-            out += self._supervisor_families()
-        out += metrics.data_plane_families(samples)
-        out.append(self._jobs_by_state())
-        return out
+            supervisors = [
+                (s.name, s.primary, {a: getattr(s, a) for a, _, _ in _SUPERVISOR_COUNTERS})
+                for s in self.fleet.supervisors
+            ]
+        return _Snapshot(samples, up, supervisors, self.manager.list())
 
     @staticmethod
     def _p4_sample(p4: P4DataPlane, switch: str, values: Counters, free: int) -> metrics.DataPlaneSample:
@@ -117,29 +153,26 @@ class ControllerMetrics:
             pool_slots=sum(j.slots for j in jobs) + free,
         )
 
-    def _supervisor_families(self) -> list[Metric]:
-        assert self.fleet is not None
+    @staticmethod
+    def _supervisor_families(supervisors: list[tuple[str, bool, dict[str, int]]]) -> list[Metric]:
         primary = GaugeMetricFamily(
             "switchagg_switch_primary", "1 if this controller is the switch's primary", labels=list(SWITCH)
         )
         counters = {
             name: CounterMetricFamily(name, doc, labels=list(SWITCH)) for _, name, doc in _SUPERVISOR_COUNTERS
         }
-        for s in self.fleet.supervisors:
-            where = [s.name, allocation.P4]
-            primary.add_metric(where, int(s.primary))
+        for switch, is_primary, values in supervisors:
+            where = [switch, allocation.P4]
+            primary.add_metric(where, int(is_primary))
             for attribute, name, _ in _SUPERVISOR_COUNTERS:
-                counters[name].add_metric(where, getattr(s, attribute))
+                counters[name].add_metric(where, values[attribute])
         return [primary, *counters.values()]
 
-    def _jobs_by_state(self) -> Metric:
-        try:
-            self._views = self.manager.list(timeout=self.read_timeout)
-        except TimeoutError:
-            pass  # installing a job on a slow switch: the last list
+    @staticmethod
+    def _jobs_by_state(views: list[JobView]) -> Metric:
         family = GaugeMetricFamily(
             "switchagg_service_jobs", "Jobs of the job service by state", labels=["state"]
         )
         for state in JOB_STATES:
-            family.add_metric([state], sum(v.state == state for v in self._views))
+            family.add_metric([state], sum(v.state == state for v in views))
         return family

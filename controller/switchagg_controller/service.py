@@ -1,13 +1,16 @@
-"""The gRPC face of the job manager (proto/switchagg/jobs.proto), with the shared-secret check."""
+"""The gRPC face of the job manager (proto/switchagg/jobs.proto), with the shared-secret check.
+
+grpc.aio on the controller's one event loop: a waiting Join is a suspended coroutine, not a held
+thread, and every handler runs between the job manager's awaits, so none of them needs a lock.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from typing import NoReturn
 
 import grpc
@@ -29,31 +32,32 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         self._secret = secret.encode()
         self._on_join = on_join
 
-    def _check(self, secret: str, context: grpc.ServicerContext) -> None:
+    async def _check(self, secret: str, context: grpc.aio.ServicerContext) -> None:
         if not hmac.compare_digest(secret.encode(), self._secret):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong secret for this job service")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong secret for this job service")
 
     @staticmethod
-    def _fail(e: JobError, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(e.code, str(e))
+    async def _fail(e: JobError, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(e.code, str(e))
         raise AssertionError("context.abort() returned")  # it raises; this tells the type checker
 
-    def Join(self, request: jobs_pb2.JoinRequest, context: grpc.ServicerContext) -> jobs_pb2.JoinReply:
-        self._check(request.secret, context)
+    async def Join(
+        self, request: jobs_pb2.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.JoinReply:
+        await self._check(request.secret, context)
         start = time.monotonic()
         try:
-            a = self.manager.join(
+            a = await self.manager.join(
                 request.job_name,
                 request.world_size,
                 request.ip,
                 request.udp_port,
                 None if request.rank < 0 else request.rank,
                 request.timeout_s,
-                alive=context.is_active,
             )
         except JobError as e:
             self._observe_join(start, e.code.name.lower())
-            self._fail(e, context)
+            await self._fail(e, context)
         self._observe_join(start, "ok")
         log.info(
             "job %s: rank %d joined from %s:%d; job %d on the %s data plane (%s:%d, slots %d+%d, K=%d)",
@@ -77,28 +81,30 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
         if self._on_join is not None:
             self._on_join(time.monotonic() - start, outcome)
 
-    def Leave(self, request: jobs_pb2.LeaveRequest, context: grpc.ServicerContext) -> jobs_pb2.LeaveReply:
-        self._check(request.secret, context)
+    async def Leave(
+        self, request: jobs_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.LeaveReply:
+        await self._check(request.secret, context)
         try:
-            removed = self.manager.leave(request.job_id, request.rank)
+            removed = await self.manager.leave(request.job_id, request.rank)
         except JobError as e:
-            self._fail(e, context)
+            await self._fail(e, context)
         return jobs_pb2.LeaveReply(job_removed=removed)
 
-    def Heartbeat(
-        self, request: jobs_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    async def Heartbeat(
+        self, request: jobs_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.HeartbeatReply:
-        self._check(request.secret, context)
+        await self._check(request.secret, context)
         try:
             generation = self.manager.heartbeat(request.job_id, request.rank)
         except JobError as e:
-            self._fail(e, context)
+            await self._fail(e, context)
         return jobs_pb2.HeartbeatReply(generation=generation)
 
-    def ListJobs(
-        self, request: jobs_pb2.ListJobsRequest, context: grpc.ServicerContext
+    async def ListJobs(
+        self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.ListJobsReply:
-        self._check(request.secret, context)
+        await self._check(request.secret, context)
         reply = jobs_pb2.ListJobsReply()
         for v in self.manager.list():
             info = reply.jobs.add(
@@ -115,28 +121,27 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                     info.workers.add(ip=ip, udp_port=port)
         return reply
 
-    def Teardown(
-        self, request: jobs_pb2.TeardownRequest, context: grpc.ServicerContext
+    async def Teardown(
+        self, request: jobs_pb2.TeardownRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.TeardownReply:
-        self._check(request.secret, context)
+        await self._check(request.secret, context)
         try:
-            job_id = self.manager.teardown(request.job)
+            job_id = await self.manager.teardown(request.job)
         except JobError as e:
-            self._fail(e, context)
+            await self._fail(e, context)
         log.info("job %s torn down", request.job)
         return jobs_pb2.TeardownReply(job_id=job_id)
 
-    def Counters(
-        self, request: jobs_pb2.CountersRequest, context: grpc.ServicerContext
+    async def Counters(
+        self, request: jobs_pb2.CountersRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.CountersReply:
-        self._check(request.secret, context)
+        """Every data plane's counters; a part that cannot be read (a switch that is away) is
+        named in ``unavailable`` with the reason, and the others answer."""
+        await self._check(request.secret, context)
         reply = jobs_pb2.CountersReply()
-        for plane in self.manager.planes.values():
-            try:
-                values = plane.counters()
-            except Exception as e:  # e.g. the switch is down: say so rather than show zeros
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"reading the {plane.name} counters failed: {e}")
-            for c in values:
+        planes = list(self.manager.planes.values())
+        for reading in await asyncio.gather(*(p.counters() for p in planes)):
+            for c in reading.values:
                 reply.counters.add(
                     data_plane=c.data_plane,
                     scope=c.scope,
@@ -145,43 +150,28 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                     packets=c.packets,
                     bytes=c.bytes,
                 )
+            for plane, error in reading.unavailable.items():
+                reply.unavailable.add(data_plane=plane, error=error)
         return reply
 
 
-class Reaper:
-    """Removes jobs whose workers stopped heartbeating; checks a few times per reap timeout."""
-
-    def __init__(self, manager: JobManager) -> None:
-        self.manager = manager
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="switchagg-reaper", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(max(0.05, self.manager.reap_timeout / 4)):
-            for job_id in self.manager.reap():
+async def reap_forever(manager: JobManager) -> None:
+    """Removes jobs whose workers stopped heartbeating; looks a few times per reap timeout."""
+    while True:
+        await asyncio.sleep(max(0.05, manager.reap_timeout / 4))
+        try:
+            for job_id in await manager.reap():
                 log.warning("job %d reaped: a worker stopped heartbeating", job_id)
-
-    def start(self) -> Reaper:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10.0)
+        except Exception:  # a broken look must not end the reaping
+            log.exception("reaping failed")
 
 
 def make_server(
-    manager: JobManager,
-    secret: str,
-    address: str,
-    max_workers: int = 128,
-    on_join: JoinObserver | None = None,
-) -> tuple[grpc.Server, int]:
-    """A started-ready server bound to ``address`` ("127.0.0.1:0" picks a port); returns it and the port.
-
-    Every waiting Join holds a thread, so ``max_workers`` bounds the workers joining at once.
-    """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jobservice"))
+    manager: JobManager, secret: str, address: str, on_join: JoinObserver | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A server bound to ``address`` ("127.0.0.1:0" picks a port), to be started on the running
+    loop (``await server.start()``); returns it and the port."""
+    server = grpc.aio.server()
     jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(manager, secret, on_join), server)
     port = server.add_insecure_port(address)
     if port == 0:

@@ -8,7 +8,6 @@ joins are not stored: a worker still waiting in Join sees its call fail and join
 from __future__ import annotations
 
 import sqlite3
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +38,8 @@ class JobRecord:
 
 
 class Store:
-    """One SQLite file; every method is a transaction. Thread-safe."""
+    """One SQLite file; every method is a transaction. Used from the controller's event loop only
+    (each call is one short local transaction), so it needs no lock."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -47,15 +47,13 @@ class Store:
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.executescript(_SCHEMA)
-        self._lock = threading.Lock()
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     def next_generation(self) -> int:
         """The next non-zero 16-bit generation; persisted so a restart never reuses a recent one."""
-        with self._lock, self._db:
+        with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             row = self._db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
             gen = (row[0] if row else 0) % MAX_GENERATION + 1
@@ -65,7 +63,7 @@ class Store:
     def save(self, record: JobRecord) -> None:
         """Inserts or replaces a job and its workers."""
         j = record.job
-        with self._lock, self._db:
+        with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (j.job_id,))
             self._db.execute(
@@ -91,17 +89,16 @@ class Store:
             )
 
     def mark_left(self, job_id: int, rank: int) -> None:
-        with self._lock, self._db:
+        with self._db:
             self._db.execute("UPDATE workers SET left_job = 1 WHERE job_id = ? AND rank = ?", (job_id, rank))
 
     def delete(self, job_id: int) -> None:
-        with self._lock, self._db:
+        with self._db:
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
 
     def load(self) -> list[JobRecord]:
-        with self._lock:
-            jobs = self._db.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
-            workers = self._db.execute("SELECT * FROM workers ORDER BY job_id, rank").fetchall()
+        jobs = self._db.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
+        workers = self._db.execute("SELECT * FROM workers ORDER BY job_id, rank").fetchall()
         by_job: dict[int, list[tuple[WorkerAddr, bool]]] = {}
         for job_id, rank, ip, port, mac, switch_port, left in workers:
             by_job.setdefault(job_id, []).append((WorkerAddr(rank, ip, port, mac, switch_port), bool(left)))

@@ -1,9 +1,13 @@
-"""Keeps several switches programmed, each on its own: one finsy.Controller on one asyncio loop.
+"""Keeps several switches programmed, each on its own, all on the controller's one asyncio loop.
 
-finsy connects each switch, arbitrates mastership, pushes the pipeline when the switch's cookie
-is not ours (finsy's cookie of our P4Info and bmv2 JSON), and reconnects whenever the stream
-breaks. Once a switch is ready, ``SwitchSupervisor._on_ready`` makes it hold the desired state.
-A switch that went away and came back is handled alone; the other switches keep running.
+Each ``SwitchSupervisor`` runs its switch's connections itself (``run``): one finsy.Switch
+connection at a time (``async with switch``: connect, arbitrate mastership, push the pipeline
+when the switch's cookie is not ours), held until the stream breaks, then the next one after a
+bounded backoff (RETRY_MIN doubling to RETRY_MAX; back to RETRY_MIN after a connection that got
+programmed). finsy's own ``Switch.run`` would wait 10 s after a connection that failed within 2 s,
+which is what a switch that is still restarting does. Once a connection is ready,
+``_on_ready`` makes the switch hold the desired state. A switch that went away and came back is
+handled alone; the other switches keep running.
 
 A switch found holding none of our table entries lost its state (it restarted, or its pipeline
 was pushed): its registers are zero and its slot state is gone, so ``on_restart`` runs before
@@ -29,13 +33,14 @@ from pathlib import Path
 import finsy as fy
 
 from switchagg_controller import p4rt
-from switchagg_controller.aioloop import LoopThread
 from switchagg_controller.model import SwitchState, Topology
 from switchagg_controller.p4rt import P4RuntimeError
 
 log = logging.getLogger("switchagg.supervisor")
 
 Counters = dict[str, dict[int, tuple[int, int]]]  # counter array name -> index -> (bytes, packets)
+
+RETRY_MIN, RETRY_MAX = 0.2, 2.0  # seconds between connection attempts (doubling)
 
 
 class SwitchUnavailable(P4RuntimeError):
@@ -52,6 +57,7 @@ class SwitchSupervisor:
         on_restart: Callable[[], None] = lambda: None,
         timeout: float = 30.0,
     ) -> None:
+        """``on_restart`` runs on the loop, before the state is written again; it must not block."""
         self.topology = topology
         self.name, self.address = topology.name, topology.switch_address
         self.desired, self.on_restart, self.timeout = desired, on_restart, timeout
@@ -67,27 +73,37 @@ class SwitchSupervisor:
         self.switch.ee.on(fy.SwitchEvent.CHANNEL_DOWN, self._on_down)
         self.pushes = 0  # times the switch was found without our state and programmed afresh
         self.reconnects = 0  # P4Runtime streams opened
-        self.write_errors = 0  # failed programming attempts (each one makes finsy reconnect)
+        self.write_errors = 0  # failed programming attempts (each one ends the connection)
         self.programmed = 0  # times the whole desired state was written after a (re)connection
         self.primary = False
         self.ready = False
         self.last_error: BaseException | None = None
-        self.fleet: SwitchFleet | None = None
-        self._lock: asyncio.Lock | None = None  # made on the loop: one writer at a time
-        self._changed: asyncio.Condition | None = None
+        self._lock = asyncio.Lock()  # one writer at a time (a write awaits the switch)
+        self._changed = asyncio.Condition()  # ready or programmed changed
+        self._lost = asyncio.Event()  # the current connection's stream broke
+        self._wakers: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
 
-    # -- on the loop ----------------------------------------------------------------------------
+    # -- the connections ------------------------------------------------------------------------
 
-    def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
-        if self._lock is None or self._changed is None:
-            self._lock, self._changed = asyncio.Lock(), asyncio.Condition()
-        return self._lock, self._changed
+    async def run(self) -> None:
+        """Connects, and connects again whenever the connection fails or breaks; until cancelled."""
+        delay = RETRY_MIN
+        while True:
+            self._lost.clear()
+            programmed = self.programmed
+            try:
+                async with self.switch:  # returns once the channel is ready; _on_ready runs meanwhile
+                    await self._lost.wait()
+            except Exception as e:  # cannot connect (yet), or the stream failed: try again
+                self.last_error = e
+                log.debug("switch %s: connection failed: %s", self.name, e)
+            delay = RETRY_MIN if self.programmed > programmed else min(2 * delay, RETRY_MAX)
+            await asyncio.sleep(delay)
 
     async def _set_ready(self, ready: bool) -> None:
-        _, changed = self._sync()
-        async with changed:
+        async with self._changed:
             self.ready = ready
-            changed.notify_all()
+            self._changed.notify_all()
 
     def _on_up(self, switch: fy.Switch) -> None:
         self.reconnects += 1
@@ -96,7 +112,10 @@ class SwitchSupervisor:
         if self.ready:
             log.warning("switch %s (%s) went away; reconnecting", self.name, self.address)
         self.ready = False  # at once (a sync emitter callback); waiters are woken below
-        asyncio.get_running_loop().create_task(self._set_ready(False))
+        self._lost.set()
+        waker = asyncio.get_running_loop().create_task(self._set_ready(False))
+        self._wakers.add(waker)
+        waker.add_done_callback(self._wakers.discard)
 
     async def _on_ready(self, switch: fy.Switch) -> None:
         """finsy's ready handler: the stream is up and the pipeline is ours (when primary)."""
@@ -109,30 +128,33 @@ class SwitchSupervisor:
             )
             log.warning("%s", self.last_error)
             return  # finsy calls us again if we become primary
-        lock, _ = self._sync()
         try:
             if not await p4rt.read_table_entries(switch):
                 self.pushes += 1
-                # Outside our lock: on_restart takes the job manager's lock, whose holder may be
-                # waiting for a push (lock order: job manager -> supervisor).
-                await asyncio.to_thread(self.on_restart)
-            async with lock:
+                self.on_restart()
+            async with self._lock:
                 changes = await p4rt.apply(switch, self.desired())
         except Exception as e:
             self.write_errors += 1
             self.last_error = e
-            log.warning("programming switch %s failed (finsy reconnects): %s", self.name, e)
-            raise  # the switch's tasks end; finsy opens a new stream and calls us again
+            log.warning("programming switch %s failed (reconnecting): %s", self.name, e)
+            raise  # the switch's tasks end, and with them the connection; run() opens the next one
         self.programmed += 1
         self.last_error = None
         await self._set_ready(True)
         log.info("switch %s programmed (%d change(s); pushes: %d)", self.name, changes, self.pushes)
 
-    async def _push(self) -> int:
-        lock, _ = self._sync()
+    # -- what the job manager and the metrics ask -------------------------------------------------
+
+    async def push(self) -> int:
+        """Makes the switch hold the desired state now; SwitchUnavailable while it is away
+        (at once: no waiting for a reconnection), TimeoutError after ``timeout``."""
         if not self.ready:
             raise self._unavailable()
-        async with lock:
+        return await asyncio.wait_for(self._push(), self.timeout)
+
+    async def _push(self) -> int:
+        async with self._lock:
             try:
                 return await p4rt.apply(self.switch, self.desired())
             except Exception as e:
@@ -147,15 +169,15 @@ class SwitchSupervisor:
         except Exception:  # e.g. "no pipeline": a switch that restarted under us
             return False
 
-    async def _wait_ready(self, timeout: float) -> bool:
-        _, changed = self._sync()
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once the switch is connected and verifiably holds the desired state."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        async with changed:
+        async with self._changed:
             while True:
                 remaining = deadline - loop.time()
                 try:
-                    await asyncio.wait_for(changed.wait_for(lambda: self.ready), max(0.0, remaining))
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.ready), max(0.0, remaining))
                 except asyncio.TimeoutError:
                     return False
                 if await self._holds_state():
@@ -168,95 +190,64 @@ class SwitchSupervisor:
                     return self.programmed > seen
 
                 try:
-                    await asyncio.wait_for(changed.wait_for(reprogrammed), max(0.0, deadline - loop.time()))
+                    await asyncio.wait_for(
+                        self._changed.wait_for(reprogrammed), max(0.0, deadline - loop.time())
+                    )
                 except asyncio.TimeoutError:
                     return False
 
-    async def _read_counter(self, name: str) -> dict[int, tuple[int, int]]:
+    async def read_counter(self, name: str) -> dict[int, tuple[int, int]]:
         if not self.ready:
             raise self._unavailable()
-        return await p4rt.read_counter(self.switch, name)
+        return await asyncio.wait_for(p4rt.read_counter(self.switch, name), self.timeout)
 
-    async def _read_counters(self, names: list[str]) -> Counters:
-        values = await asyncio.gather(*(self._read_counter(n) for n in names))
+    async def read_counters(self, names: list[str]) -> Counters:
+        values = await asyncio.gather(*(self.read_counter(n) for n in names))
         return dict(zip(names, values, strict=True))
 
     def _unavailable(self) -> SwitchUnavailable:
         return SwitchUnavailable(f"the switch {self.name} at {self.address} is not ready ({self.last_error})")
 
-    # -- from other threads ---------------------------------------------------------------------
-
-    def _loop(self) -> LoopThread:
-        if self.fleet is None:
-            raise RuntimeError(f"switch {self.name} is not part of a running fleet")
-        return self.fleet.loop
-
-    def push(self) -> int:
-        """Makes the switch hold the desired state now; SwitchUnavailable while it is away."""
-        if not self.ready:  # fail fast rather than wait for a reconnect
-            raise self._unavailable()
-        return self._loop().call(self._push(), self.timeout)
-
-    def read_counter(self, name: str) -> dict[int, tuple[int, int]]:
-        return self._loop().call(self._read_counter(name), self.timeout)
-
-    def wait_ready(self, timeout: float) -> bool:
-        """True once the switch is connected and verifiably holds the desired state."""
-        return self._loop().call(self._wait_ready(timeout), timeout + self.timeout)
-
 
 class SwitchFleet:
-    """The supervisors of all switches on one finsy.Controller, in one asyncio loop thread."""
+    """The supervisors of all switches, each connection loop a task on the running loop."""
 
     def __init__(self, supervisors: list[SwitchSupervisor]) -> None:
         self.supervisors = supervisors
-        self.loop = LoopThread()
-        for s in supervisors:
-            s.fleet = self
-        self._controller = fy.Controller([s.switch for s in supervisors])
-        self._task: asyncio.Future[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> SwitchFleet:
-        async def _start() -> None:
-            self._task = asyncio.ensure_future(self._controller.run())
-
-        self.loop.call(_start(), 10.0)
+        """Starts every supervisor (call it on the loop)."""
+        self._tasks = [asyncio.create_task(s.run(), name=f"supervise {s.name}") for s in self.supervisors]
         return self
 
-    def wait_ready(self, timeout: float) -> bool:
+    async def wait_ready(self, timeout: float) -> bool:
         """All switches ready (each waited for in parallel, within ``timeout``)."""
+        return all(await asyncio.gather(*(s.wait_ready(timeout) for s in self.supervisors)))
 
-        async def _all() -> bool:
-            return all(await asyncio.gather(*(s._wait_ready(timeout) for s in self.supervisors)))
-
-        return self.loop.call(_all(), timeout + 30.0)
-
-    def read_counters(self, names: list[str], timeout: float) -> dict[str, Counters | Exception]:
+    async def read_counters(self, names: list[str], timeout: float) -> dict[str, Counters | Exception]:
         """Every switch's counter arrays ``names``, the switches read in parallel; a switch that is
-        away, or slower than ``timeout``, gives its error instead (metrics must not hang on it)."""
+        away, or slower than ``timeout``, gives its error instead (a reader must not hang on it)."""
 
         async def one(s: SwitchSupervisor) -> Counters | Exception:
             try:
-                return await asyncio.wait_for(s._read_counters(names), timeout)
+                return await asyncio.wait_for(s.read_counters(names), timeout)
             except Exception as e:
                 return e
 
-        async def _all() -> dict[str, Counters | Exception]:
-            results = await asyncio.gather(*(one(s) for s in self.supervisors))
-            return {s.name: r for s, r in zip(self.supervisors, results, strict=True)}
+        results = await asyncio.gather(*(one(s) for s in self.supervisors))
+        return {s.name: r for s, r in zip(self.supervisors, results, strict=True)}
 
-        return self.loop.call(_all(), timeout + 5.0)
-
-    def stop(self) -> None:
-        async def _stop() -> None:
-            self._controller.stop()
-            if self._task is not None:
-                await asyncio.gather(self._task, return_exceptions=True)
-
-        try:
-            self.loop.call(_stop(), 15.0)
-        except asyncio.TimeoutError:
-            log.warning("the switches did not stop within 15 s")
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         for s in self.supervisors:
             s.ready = False
-        self.loop.close()
+
+    async def __aenter__(self) -> SwitchFleet:
+        return self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

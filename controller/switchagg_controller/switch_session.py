@@ -1,5 +1,8 @@
-"""One switch, synchronously: finsy on an event loop thread of its own, for the CLI's one-shot
-commands (push, counters), benchmarks and tests. The controller itself uses supervisor.py.
+"""One switch, synchronously, for the CLI's one-shot commands (push, counters), benchmarks and
+tests: finsy on an event loop of the session's own, run in the caller's thread for each call
+(no thread, no loop shared with anything). The controller itself uses supervisor.py, on its loop.
+A session cannot be used from inside a running event loop: there, use p4rt (``Reader``,
+``finsy.Switch``) directly.
 
 ``with SwitchSession(address, device_id, p4info, bmv2_json) as s: s.apply(state)`` connects,
 arbitrates and (given the bmv2 JSON) pushes the pipeline unless the switch already runs it
@@ -9,6 +12,7 @@ controller's mastership is left alone.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from pathlib import Path
 from types import TracebackType
@@ -19,7 +23,6 @@ from finsy.p4schema import P4Schema
 from finsy.proto import p4r
 
 from switchagg_controller import p4rt
-from switchagg_controller.aioloop import LoopThread
 from switchagg_controller.model import SwitchState
 
 T = TypeVar("T")
@@ -54,16 +57,20 @@ class SwitchSession:
             self._target = fy.Switch(f"switch@{address}", address, options)
         else:
             self._target = p4rt.Reader(address, device_id, Path(p4info))
-        self._loop: LoopThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs ``coro`` to its end; TimeoutError (and it is cancelled) after ``timeout`` s."""
         if self._loop is None:
             coro.close()
             raise p4rt.P4RuntimeError(f"not connected to {self.address}")
-        return self._loop.call(coro, self.timeout)
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(coro, timeout or self.timeout))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.address}: no answer within {timeout or self.timeout:g} s") from None
 
     def open(self) -> SwitchSession:
-        self._loop = LoopThread("switch-session")
+        self._loop = asyncio.new_event_loop()
 
         async def _open() -> bool:
             await self._target.__aenter__()
@@ -84,11 +91,20 @@ class SwitchSession:
     def close(self) -> None:
         if self._loop is None:
             return
-        loop, self._loop = self._loop, None
         try:
-            loop.call(self._target.__aexit__(None, None, None), 15.0)
+            self._call(self._target.__aexit__(None, None, None), 15.0)
         except Exception:  # noqa: S110 - closing a session to a switch that is already gone
             pass
+        loop, self._loop = self._loop, None
+
+        async def _cancel_the_rest() -> None:  # finsy's stream tasks, should any be left
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await loop.shutdown_asyncgens()
+
+        loop.run_until_complete(_cancel_the_rest())
         loop.close()
 
     def __enter__(self) -> SwitchSession:

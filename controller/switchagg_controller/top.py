@@ -80,7 +80,8 @@ def view(before: Snapshot, after: Snapshot) -> dict[str, Any]:
                 "drops": dict(p["drops"]),
             }
         )
-    return {"interval_s": dt, "jobs": jobs, "data_planes": planes}
+    unavailable = [u["data_plane"] for u in after.counters.get("unavailable", [])]
+    return {"interval_s": dt, "jobs": jobs, "data_planes": planes, "unavailable": unavailable}
 
 
 def _num(x: float | None, width: int, digits: int = 1) -> str:
@@ -120,4 +121,6 @@ def render(v: dict[str, Any], title: str) -> str:
             f"{p['data_plane']:<14.14} {p['jobs']:>4} {used + ' ' + share:>15} "
             f"{_num(p['drops_per_s'], 9)}  {nonzero}"
         )
+    for name in v.get("unavailable", []):
+        lines.append(f"{name:<14.14}    - {'-':>15} {'-':>9}  unavailable")
     return "\n".join(line[:WIDTH] for line in lines)

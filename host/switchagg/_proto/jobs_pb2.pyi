@@ -164,8 +164,18 @@ class Counter(_message.Message):
     bytes: int
     def __init__(self, data_plane: _Optional[str] = ..., scope: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[int] = ..., packets: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class Unavailable(_message.Message):
+    __slots__ = ("data_plane", "error")
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    data_plane: str
+    error: str
+    def __init__(self, data_plane: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class CountersReply(_message.Message):
-    __slots__ = ("counters",)
+    __slots__ = ("counters", "unavailable")
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
-    def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ...) -> None: ...
+    unavailable: _containers.RepeatedCompositeFieldContainer[Unavailable]
+    def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ...) -> None: ...

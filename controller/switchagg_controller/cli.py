@@ -31,6 +31,7 @@ from switchagg._proto import jobs_pb2, jobs_pb2_grpc
 
 if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
+    from switchagg_controller.hierarchy import NodeSupervisor
 
 
 class CliError(Exception):
@@ -110,14 +111,42 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
     aggregator = None
     store = Store(args.state)
     manager: JobManager | None = None
+    nodes: list[AggregatorHandle] = []  # the software aggregators the controller opened (to close)
+    node_supervisors: list[NodeSupervisor] = []  # watch the remote ones
     if args.topology:
         from switchagg_controller import p4_program
+        from switchagg_controller.hierarchy import NodeSupervisor, NodeWatch, open_all
         from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
-        from switchagg_controller.topology import load_topologies
+        from switchagg_controller.topology import load_network
 
-        topologies = load_topologies(args.topology)
+        network = load_network(args.topology)
+        topologies = network.switches
         json_path, p4info = _p4_artifacts(args)
-        p4_plane = P4DataPlane(topologies, default_slots=args.p4_slots)
+        spine_aggs, unreachable = open_all([(s.name, s.listen, s.remote) for s in network.software_spines])
+        nodes += spine_aggs
+        for warning in unreachable:
+            print(f"switchagg-ctl: warning: {warning}", file=sys.stderr)
+        p4_plane = P4DataPlane(
+            topologies,
+            default_slots=args.p4_slots,
+            software_spines=list(zip(network.software_spines, spine_aggs, strict=True)),
+        )
+        spine_names = [s.name for s in network.software_spines]
+
+        async def on_spine_restart(node: int) -> None:  # a remote software spine restarted or is back
+            if manager is not None:
+                jobs = manager.jobs(allocation.P4)  # read on the loop; the spine's calls block
+                spine = spine_names[node]
+                installed, removed = await asyncio.to_thread(p4_plane.reconcile_software_spine, spine, jobs)
+                print(
+                    f"switchagg-ctl: software spine {spine} reconciled: {installed} job(s) installed, "
+                    f"{removed} removed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        if spine_aggs:
+            node_supervisors.append(NodeSupervisor(NodeWatch(spine_aggs), on_spine_restart))
 
         def on_restart(switch: str) -> None:  # the switch lost its state: new generations for its jobs
             if manager is not None:
@@ -144,8 +173,6 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
         max_counter_index = p4_program.MAX_JOBS
     else:
         max_counter_index = 0
-    nodes: list[AggregatorHandle] = []  # the two-level data plane's spine and leaves
-    node_supervisor = None
     if args.two_level:
         from switchagg_controller.hierarchy import (
             NodeSupervisor,
@@ -156,10 +183,13 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
         )
 
         spec = load_two_level(args.two_level)
-        nodes, unreachable = open_nodes(spec)
+        tl_nodes, unreachable = open_nodes(spec)
+        nodes += tl_nodes
         for warning in unreachable:
             print(f"switchagg-ctl: warning: {warning}", file=sys.stderr)
-        two_level = TwoLevelDataPlane(spec, nodes[0], nodes[1:], k=args.sw_k, default_slots=args.sw_slots)
+        two_level = TwoLevelDataPlane(
+            spec, tl_nodes[0], tl_nodes[1:], k=args.sw_k, default_slots=args.sw_slots
+        )
         planes.append(two_level)
 
         async def on_node_restart(node: int) -> None:  # a remote node restarted or is back: its jobs again
@@ -173,7 +203,7 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
-        node_supervisor = NodeSupervisor(NodeWatch(nodes), on_node_restart)
+        node_supervisors.append(NodeSupervisor(NodeWatch(tl_nodes), on_node_restart))
     if args.software or args.fallback:
         from switchagg.aggregator import SoftwareAggregator
 
@@ -223,14 +253,14 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
         server, port = make_server(manager, secret, args.listen, on_join=on_join)
         await server.start()
         reaper = asyncio.create_task(reap_forever(manager), name="reaper")
-        if node_supervisor is not None:
+        for node_supervisor in node_supervisors:
             node_supervisor.start()
         listen = (
             args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
         )
         agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-        if nodes:
-            spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in nodes)
+        if args.two_level:
+            spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in tl_nodes)
             agg += f" two-level spine {spine} leaves {','.join(leaves)}"
         print(
             f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
@@ -245,7 +275,7 @@ async def _serve_on_loop(args: argparse.Namespace) -> int:
             await asyncio.gather(reaper, return_exceptions=True)
         if fleet is not None:
             await fleet.stop()
-        if node_supervisor is not None:
+        for node_supervisor in node_supervisors:
             await node_supervisor.stop()
         if aggregator is not None:
             aggregator.stop()

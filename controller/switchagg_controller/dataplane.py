@@ -9,16 +9,21 @@ take about 0.1 ms and are called directly; the P4 switches are awaited.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from switchagg import protocol
 from switchagg_controller import allocation
-from switchagg_controller.model import HostPort, Job, SwitchState, Topology, WorkerAddr
+from switchagg_controller.model import HostPort, Job, SoftwareSpine, SwitchState, Topology, WorkerAddr
 
 if TYPE_CHECKING:
-    from switchagg.aggregator import Counters, SoftwareAggregator
+    from switchagg.aggregator import AggregatorHandle, Counters
     from switchagg_controller.supervisor import SwitchSupervisor
+
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,22 +98,56 @@ def job_counters(plane: str, c: Counters) -> list[CounterValue]:
     return out
 
 
+def reconcile_jobs(
+    agg: AggregatorHandle, want: dict[int, Job], add: Callable[[Job], None]
+) -> tuple[int, int]:
+    """Makes ``agg`` hold exactly the jobs of ``want`` (by id): those it holds that are not wanted,
+    or with other slots or K, are removed; the missing ones are added with ``add`` (each as its
+    role there). For a remote aggregator that restarted (it came back empty) or was unreachable
+    for a while (it may hold jobs removed meanwhile). Returns (installed, removed)."""
+    have = agg.jobs()
+    stale = [
+        job_id
+        for job_id, info in have.items()
+        if job_id not in want
+        or (info.slot_base, info.slot_count, info.k)
+        != (want[job_id].slot_base, want[job_id].slot_count, want[job_id].k)
+    ]
+    for job_id in stale:
+        agg.remove_job(job_id)
+    missing = [job for job_id, job in want.items() if job_id not in have or job_id in stale]
+    for job in missing:
+        add(job)
+    return len(missing), len(stale)
+
+
 class SoftwareDataPlane:
-    """Jobs on a SoftwareAggregator; each job names its workers' addresses (anti-spoofing)."""
+    """Jobs on a software aggregator; each job names its workers' addresses (anti-spoofing). The
+    aggregator is embedded (its C calls take about 0.1 ms and run right on the loop) or remote
+    (blocking gRPC, up to its timeout: in a worker thread). ``label``: the data plane its counters
+    are reported as (default the name)."""
 
     name = allocation.SOFTWARE
 
     def __init__(
         self,
-        aggregator: SoftwareAggregator,
+        aggregator: AggregatorHandle,
         k: int = protocol.DEFAULT_SW_K,
         default_slots: int = protocol.DEFAULT_SW_SLOTS,
         advertised_ip: str | None = None,
+        label: str | None = None,
     ) -> None:
+        from switchagg.aggregator_control import RemoteAggregator
+
         self.agg = aggregator
         self.k, self.default_slots = k, default_slots
         self._ip = advertised_ip or aggregator.address[0]
         self._installed: set[int] = set()
+        self.label = label or self.name
+        self.remote = isinstance(aggregator, RemoteAggregator)
+
+    async def _off_loop(self, call: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.to_thread(call, *args) if self.remote else call(*args)
 
     @property
     def aggregator(self) -> tuple[str, int]:
@@ -126,57 +165,83 @@ class SoftwareDataPlane:
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         return WorkerAddr(rank, ip, udp_port)
 
-    async def install(self, job: Job) -> None:
+    def _add(self, job: Job) -> None:
         addrs = [(w.ip, w.udp_port) for w in sorted(job.workers, key=lambda w: w.rank)]
+        self.agg.add_job(
+            job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs, name=job.name
+        )
+
+    def _install(self, job: Job) -> None:
         if job.job_id in self._installed:  # a reinstall with a new generation
             self.agg.remove_job(job.job_id)
             self._installed.discard(job.job_id)
         try:
-            self.agg.add_job(
-                job.job_id,
-                job.n,
-                job.slot_base,
-                job.slot_count,
-                job.k,
-                job.generation,
-                addrs,
-                name=job.name,
-            )
+            self._add(job)
         except Exception as e:
-            raise DataPlaneError(f"the software aggregator refused job {job.job_id}: {e}") from e
+            raise DataPlaneError(f"the software aggregator {self.label} refused job {job.job_id}: {e}") from e
         self._installed.add(job.job_id)
+
+    def _remove(self, job: Job) -> None:
+        if job.job_id in self._installed:
+            self._installed.discard(job.job_id)
+            self.agg.remove_job(job.job_id)
+
+    async def install(self, job: Job) -> None:
+        await self._off_loop(self._install, job)
 
     async def restore(self, jobs: list[Job]) -> None:
         for job in jobs:
             await self.install(job)
 
     async def remove(self, job: Job) -> None:
-        if job.job_id in self._installed:
-            self._installed.discard(job.job_id)
-            self.agg.remove_job(job.job_id)
+        await self._off_loop(self._remove, job)
+
+    def reconcile(self, jobs: list[Job]) -> tuple[int, int]:
+        """Makes the aggregator hold exactly ``jobs`` (blocking: call it off the loop for a remote
+        one), with their generations; they count as installed from now on."""
+        self._installed = {j.job_id for j in jobs}
+        return reconcile_jobs(self.agg, {j.job_id: j for j in jobs}, self._add)
 
     async def counters(self) -> CounterReading:
-        return CounterReading(self.counter_values())
+        try:
+            return CounterReading(await self._off_loop(self.counter_values))
+        except Exception as e:
+            if not self.remote:
+                raise
+            return CounterReading(unavailable={self.label: str(e) or type(e).__name__})
 
     def counter_values(self) -> list[CounterValue]:
         c = self.agg.counters()
-        out = [CounterValue(self.name, "total", name, 0, int(c[name])) for name in ("rx", "tx")]
+        plane = self.label
+        out = [CounterValue(plane, "total", name, 0, int(c[name])) for name in ("rx", "tx")]
         out += [
-            CounterValue(self.name, "drops", name, 0, int(c["drops"][name])) for name in protocol.DROP_REASONS
+            CounterValue(plane, "drops", name, 0, int(c["drops"][name])) for name in protocol.DROP_REASONS
         ]
-        out += [CounterValue(self.name, "faults", name, 0, int(v)) for name, v in c["faults"].items()]
-        out += job_counters(self.name, c)
+        out += [CounterValue(plane, "faults", name, 0, int(v)) for name, v in c["faults"].items()]
+        out += job_counters(plane, c)
         return out
+
+
+def spine_pool(name: str) -> str:
+    """The slot pool of a software spine behind P4 leaves."""
+    return f"{allocation.P4}-spine:{name}"
 
 
 class P4DataPlane:
     """Jobs on the P4 switches: a job runs on the switch all its workers are cabled to, and every
     change writes that switch's whole desired state through its supervisor; the other switches
-    are not touched."""
+    are not touched. A job across leaves runs on them and on their spine: a P4 switch, or a
+    software spine (``software_spines``: each with its aggregator, embedded or remote), where
+    the spine's job is installed as on any software aggregator (SoftwareDataPlane)."""
 
     name = allocation.P4
 
-    def __init__(self, topologies: list[Topology], default_slots: int = 64) -> None:
+    def __init__(
+        self,
+        topologies: list[Topology],
+        default_slots: int = 64,
+        software_spines: list[tuple[SoftwareSpine, AggregatorHandle]] | None = None,
+    ) -> None:
         if not topologies:
             raise ValueError("the P4 data plane needs at least one switch")
         self.topologies = {t.name: t for t in topologies}
@@ -184,6 +249,11 @@ class P4DataPlane:
         self.k = protocol.P4_K
         self.default_slots = default_slots
         self._jobs: dict[int, Job] = {}
+        self.software_spines = {spine.name: spine for spine, _ in software_spines or []}
+        self.spine_planes = {
+            spine.name: SoftwareDataPlane(agg, k=self.k, label=f"{self.name}:{spine.name}")
+            for spine, agg in software_spines or []
+        }
 
     def attach(self, supervisor: SwitchSupervisor) -> None:
         self.supervisors[supervisor.name] = supervisor
@@ -198,9 +268,13 @@ class P4DataPlane:
     def route(self, job: Job) -> tuple[str | None, list[str]]:
         """Where ``job`` runs: (None, [its switch]) when every worker is cabled to one switch, or
         (the spine, the leaves in topology order) when they sit behind leaves of one spine (two
-        levels, docs/PROTOCOL.md: leaf l is rank l at the spine)."""
+        levels, docs/PROTOCOL.md: leaf l is rank l at the spine). The spine is a P4 switch or a
+        software spine (``software_spine_of``)."""
+        return self._route(job.workers, job.name)
+
+    def _route(self, workers: tuple[WorkerAddr, ...], job_name: str) -> tuple[str | None, list[str]]:
         names = set()
-        for w in job.workers:
+        for w in workers:
             found = self._host(w.ip)
             if found is None:
                 raise DataPlaneError(f"{w.ip} is not a host of any switch in the topology")
@@ -210,16 +284,28 @@ class P4DataPlane:
         spines = {u.switch if (u := self.topologies[n].uplink) else None for n in names}
         if len(spines) != 1 or None in spines:
             raise DataPlaneError(
-                f"job {job.name!r} has workers on switches {', '.join(sorted(names))}; a job runs on one "
+                f"job {job_name!r} has workers on switches {', '.join(sorted(names))}; a job runs on one "
                 "switch, or on leaves with uplinks to one spine"
             )
         order = list(self.topologies)
         return spines.pop(), sorted(names, key=order.index)
 
     def switches_of(self, job: Job) -> list[str]:
-        """Every switch ``job`` is installed on (the spine first)."""
+        """Every P4 switch ``job`` is installed on (the spine first, if it is one)."""
         spine, switches = self.route(job)
-        return ([spine] if spine else []) + switches
+        return ([spine] if spine and spine not in self.software_spines else []) + switches
+
+    def software_spine_of(self, job: Job) -> str | None:
+        """The software spine of a job across P4 leaves, if its spine is one."""
+        spine, _ = self.route(job)
+        return spine if spine in self.software_spines else None
+
+    def software_spine_view(self, job: Job) -> Job:
+        """The job as its software spine runs it: the leaves as ranks (their UDP sources)."""
+        _, leaves = self.route(job)
+        from switchagg_controller import p4_program
+
+        return p4_program.spine_view(job, [self.topologies[s] for s in leaves])
 
     def switch_of(self, job: Job) -> str:
         """The one switch of a one-switch job; for a two-level job its spine."""
@@ -249,10 +335,14 @@ class P4DataPlane:
         return (t.aggregator_ip, t.udp_port)
 
     def pool_sizes(self) -> dict[str, int]:
-        return {self.name: protocol.P4_NUM_SLOTS}  # slot ranges are unique across the switches
+        # Slot ranges are unique across the switches; a software spine has a pool of its own.
+        return {self.name: protocol.P4_NUM_SLOTS} | {
+            spine_pool(name): allocation.SW_POOL_SLOTS for name in self.software_spines
+        }
 
     def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
-        return (self.name,)
+        spine, _ = self._route(workers, "")
+        return (self.name, spine_pool(spine)) if spine in self.software_spines else (self.name,)
 
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         found = self._host(ip)
@@ -278,8 +368,9 @@ class P4DataPlane:
             elif switch == spine:
                 jobs.append(p4_program.spine_view(job, [self.topologies[s] for s in switches]))
             else:
+                spine_at = self.software_spines.get(spine) or self.topologies[spine]
                 view, role = p4_program.leaf_view(
-                    job, self.topologies[switch], self.topologies[spine], switches.index(switch)
+                    job, self.topologies[switch], spine_at, switches.index(switch)
                 )
                 jobs.append(view)
                 leaves[job.job_id] = role
@@ -303,6 +394,12 @@ class P4DataPlane:
 
     async def restore(self, jobs: list[Job]) -> None:
         self._jobs = {j.job_id: j for j in jobs}
+        for job in jobs:
+            if spine := self.software_spine_of(job):
+                try:
+                    await self.spine_planes[spine].install(self.software_spine_view(job))
+                except DataPlaneError:  # noqa: PERF203 - a remote spine not up yet: reconciled when it is
+                    pass
         for switch in {s for j in jobs for s in self.switches_of(j)}:
             try:
                 await self._push(switch)
@@ -311,6 +408,9 @@ class P4DataPlane:
 
     async def install(self, job: Job) -> None:
         switches = self.switches_of(job)  # the spine first: a leaf's first partial must find the job
+        soft_spine = self.software_spine_of(job)
+        if soft_spine is not None:
+            await self.spine_planes[soft_spine].install(self.software_spine_view(job))
         switch = switches[0]
         previous = self._jobs.get(job.job_id)
         self._jobs[job.job_id] = job
@@ -323,6 +423,8 @@ class P4DataPlane:
                 self._jobs.pop(job.job_id, None)
             else:
                 self._jobs[job.job_id] = previous
+            if soft_spine is not None:
+                await self._off_software_spine(soft_spine, job)
             for other in switches[: switches.index(switch)]:  # take it off the switches it reached
                 try:
                     await self._push(other)
@@ -342,6 +444,26 @@ class P4DataPlane:
                 await self._push(switch)
             except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
                 pass
+        if spine := self.software_spine_of(job):
+            await self._off_software_spine(spine, job)
+
+    async def _off_software_spine(self, spine: str, job: Job) -> None:
+        """Takes ``job`` off a software spine, or puts back the one it replaced (a failed reinstall)."""
+        plane = self.spine_planes[spine]
+        try:
+            if job.job_id in self._jobs:
+                await plane.install(self.software_spine_view(self._jobs[job.job_id]))
+            else:
+                await plane.remove(job)
+        except Exception as e:  # a remote spine that is away: reconciled when it is back
+            log.warning("software spine %s: job %d: %s", spine, job.job_id, e)
+
+    def reconcile_software_spine(self, spine: str, jobs: list[Job]) -> tuple[int, int]:
+        """Makes software spine ``spine`` hold exactly its part of ``jobs`` (the manager's P4 jobs),
+        generations unchanged (a restarted spine, docs/PROTOCOL.md, Restarting a leaf: the leaves
+        keep their rounds). Blocking for a remote spine: call it off the loop. (installed, removed)."""
+        views = [self.software_spine_view(j) for j in jobs if self.software_spine_of(j) == spine]
+        return self.spine_planes[spine].reconcile(views)
 
     def label(self, switch: str) -> str:
         """The data plane label of a switch's counters: "p4", or "p4:NAME" with several switches."""
@@ -366,6 +488,10 @@ class P4DataPlane:
                 return e
 
         reading = CounterReading()
+        for spine in self.spine_planes.values():
+            r = await spine.counters()
+            reading.values += r.values
+            reading.unavailable |= r.unavailable
         for s, values in zip(supervisors, await asyncio.gather(*map(one, supervisors)), strict=True):
             plane = self.label(s.name)
             if isinstance(values, Exception):

@@ -37,9 +37,15 @@ import yaml
 
 from switchagg import protocol
 from switchagg_controller import allocation
-from switchagg_controller.dataplane import CounterReading, CounterValue, DataPlaneError, job_counters
-from switchagg_controller.model import Job, WorkerAddr
-from switchagg_controller.topology import TopologyError, _Node, read_config
+from switchagg_controller.dataplane import (
+    CounterReading,
+    CounterValue,
+    DataPlaneError,
+    job_counters,
+    reconcile_jobs,
+)
+from switchagg_controller.model import Job, Remote, WorkerAddr
+from switchagg_controller.topology import REMOTE_KEYS, TopologyError, _address, _Node, _remote, read_config
 
 if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
@@ -47,14 +53,6 @@ if TYPE_CHECKING:
 Address = tuple[str, int]
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Remote:
-    """A node the controller does not run: a switchagg-aggregator with a control service."""
-
-    control: str  # HOST:PORT or unix:PATH
-    secret_file: Path
 
 
 @dataclass(frozen=True)
@@ -78,32 +76,6 @@ class TwoLevelSpec:
         return next((i for i, leaf in enumerate(self.leaves) if any(addr in s for s in leaf.subnets)), None)
 
 
-def _address(node: _Node) -> Address:
-    host, sep, port = node.text().rpartition(":")
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        raise node.fail(f"{node.text()!r} is not an IPv4:port address") from None
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:  # 0: a free port
-        raise node.fail(f"{node.text()!r} is not an IPv4:port address")
-    return (host, int(port))
-
-
-_REMOTE_KEYS = ("control", "secret_file")
-
-
-def _remote(f: dict[str, _Node], base: Path) -> Remote | None:
-    if "control" not in f and "secret_file" not in f:
-        return None
-    for key in _REMOTE_KEYS:
-        if key not in f:
-            other = next(k for k in _REMOTE_KEYS if k != key)
-            raise f[other].fail(f"{other} needs {key} too (a node run elsewhere names both)")
-    if f["listen"].text().endswith(":0"):
-        raise f["listen"].fail("a node run elsewhere needs its real port, not 0")
-    return Remote(f["control"].text(), base / f["secret_file"].text())
-
-
 def parse_two_level(text: str, source: str = "<two-level>", base: Path | None = None) -> TwoLevelSpec:
     """``base``: the directory relative secret_file paths start from (default: the working one)."""
     base = base if base is not None else Path()
@@ -114,13 +86,13 @@ def parse_two_level(text: str, source: str = "<two-level>", base: Path | None = 
     if root_node is None:
         raise TopologyError(f"{source}:1: the file is empty")
     top = _Node(source, root_node, "").mapping(("spine", "leaves"))
-    spine_f = top["spine"].mapping(("listen",), _REMOTE_KEYS)
+    spine_f = top["spine"].mapping(("listen",), REMOTE_KEYS)
     spine = _address(spine_f["listen"])
     spine_remote = _remote(spine_f, base)
     leaves: list[LeafSpec] = []
     seen: dict[str, str] = {}
     for node in top["leaves"].sequence():
-        f = node.mapping(("name", "listen", "subnets"), ("advertise", *_REMOTE_KEYS))
+        f = node.mapping(("name", "listen", "subnets"), ("advertise", *REMOTE_KEYS))
         name = f["name"].text()
         subnets = []
         for s in f["subnets"].sequence():
@@ -307,23 +279,9 @@ class TwoLevelDataPlane:
         may hold jobs removed meanwhile). Jobs keep their generation: the restarted node's empty
         slots are rebuilt by the workers' resends while the other nodes keep their state
         (docs/PROTOCOL.md, Restarting a leaf). Returns (installed, removed)."""
-        agg = self._node(node)
         with self._lock:
             want = {j.job_id: j for j in jobs if j.job_id in self._installed and self.crosses(j, node)}
-            have = agg.jobs()
-            stale = [
-                job_id
-                for job_id, info in have.items()
-                if job_id not in want
-                or (info.slot_base, info.slot_count, info.k)
-                != (want[job_id].slot_base, want[job_id].slot_count, want[job_id].k)
-            ]
-            for job_id in stale:
-                agg.remove_job(job_id)
-            missing = [job for job_id, job in want.items() if job_id not in have or job_id in stale]
-            for job in missing:
-                self._add_on(job, node)
-            return len(missing), len(stale)
+            return reconcile_jobs(self._node(node), want, lambda job: self._add_on(job, node))
 
     def _counters(self) -> CounterReading:
         reading = CounterReading()
@@ -360,38 +318,50 @@ def _secret(remote: Remote) -> str:
     return secret
 
 
-def open_nodes(spec: TwoLevelSpec) -> tuple[list[AggregatorHandle], list[str]]:
-    """The spine's and each leaf's aggregator, in that order: embedded ones started here, remote
-    ones reached through their control service, and the warnings for those not reachable yet
-    (their jobs install once they are: NodeWatch). A remote one serving elsewhere than its
-    ``listen`` is an error."""
+def open_node(name: str, listen: Address, remote: Remote | None) -> tuple[AggregatorHandle, str | None]:
+    """One software aggregator: embedded (started here), or remote (reached through its control
+    service), with a warning when that one is not reachable yet (its jobs install once it is:
+    NodeWatch). A remote one serving elsewhere than its ``listen`` is an error."""
     from switchagg.aggregator import SoftwareAggregator
     from switchagg.aggregator_control import ControlError, RemoteAggregator
 
+    if remote is None:
+        return SoftwareAggregator(*listen).start(), None
+    agg = RemoteAggregator(remote.control, _secret(remote), timeout=2.0, address=listen)
+    try:
+        info = agg.info()
+    except ControlError as e:
+        return agg, f"the {name} aggregator is not reachable yet: {e}"
+    if (info.ip, info.udp_port) != listen:
+        agg.close()
+        raise TopologyError(
+            f"the {name} aggregator at {remote.control} serves on {info.ip}:{info.udp_port}, "
+            f"not on its listen address {listen[0]}:{listen[1]}"
+        )
+    return agg, None
+
+
+def open_all(roles: list[tuple[str, Address, Remote | None]]) -> tuple[list[AggregatorHandle], list[str]]:
+    """``open_node`` for each (name, listen, remote), in order; on an error none stays open."""
     nodes: list[AggregatorHandle] = []
     warnings: list[str] = []
-    roles = [(SPINE, spec.spine, spec.spine_remote), *((f.name, f.listen, f.remote) for f in spec.leaves)]
     try:
         for name, listen, remote in roles:
-            if remote is None:
-                nodes.append(SoftwareAggregator(*listen).start())
-                continue
-            agg = RemoteAggregator(remote.control, _secret(remote), timeout=2.0, address=listen)
+            agg, warning = open_node(name, listen, remote)
             nodes.append(agg)
-            try:
-                info = agg.info()
-            except ControlError as e:
-                warnings.append(f"the {name} aggregator is not reachable yet: {e}")
-                continue
-            if (info.ip, info.udp_port) != listen:
-                raise TopologyError(
-                    f"the {name} aggregator at {remote.control} serves on {info.ip}:{info.udp_port}, "
-                    f"not on its listen address {listen[0]}:{listen[1]}"
-                )
+            if warning:
+                warnings.append(warning)
     except Exception:
         close_nodes(nodes)
         raise
     return nodes, warnings
+
+
+def open_nodes(spec: TwoLevelSpec) -> tuple[list[AggregatorHandle], list[str]]:
+    """The spine's and each leaf's aggregator, in that order (``open_node``), and the warnings."""
+    return open_all(
+        [(SPINE, spec.spine, spec.spine_remote), *((f.name, f.listen, f.remote) for f in spec.leaves)]
+    )
 
 
 def close_nodes(nodes: list[AggregatorHandle]) -> None:

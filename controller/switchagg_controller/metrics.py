@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from switchagg import metrics, protocol
+from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller import allocation, p4_program
 from switchagg_controller.dataplane import P4DataPlane, SoftwareDataPlane
 from switchagg_controller.jobs import JobManager, JobView
@@ -104,7 +105,7 @@ class ControllerMetrics:
         samples: list[metrics.DataPlaneSample] = []
         up: list[tuple[str, str, int]] = []
         software = self.manager.planes.get(allocation.SOFTWARE)
-        if isinstance(software, SoftwareDataPlane):
+        if isinstance(software, SoftwareDataPlane) and isinstance(software.agg, SoftwareAggregator):
             sample = software.agg.metrics_sample()
             samples.append(sample)
             up.append((sample.switch, sample.data_plane, 1))

@@ -7,6 +7,7 @@ TableEntry and MulticastGroup objects (through finsy) without knowing what they 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MatchValue = int | bytes | tuple[int, int]  # exact/ternary value, or (value, mask) / (value, prefix_len)
 
@@ -23,11 +24,46 @@ class HostPort:
 
 @dataclass(frozen=True)
 class Uplink:
-    """A leaf switch's cable to its spine switch (two-level aggregation, docs/PROTOCOL.md)."""
+    """A leaf switch's cable to its spine (two-level aggregation, docs/PROTOCOL.md): a P4 switch,
+    or a software spine (then ``spine_port`` is None: its port is no table entry of ours)."""
 
     switch: str  # the spine's name in the topology
     port: int  # the leaf's port towards the spine
-    spine_port: int  # the spine's port towards the leaf
+    spine_port: int | None  # the spine switch's port towards the leaf
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A software aggregator the controller does not run: a switchagg-aggregator with a control
+    service (switchagg.aggregator_control), reached at ``control`` with the secret in ``secret_file``."""
+
+    control: str  # HOST:PORT or unix:PATH
+    secret_file: Path
+
+
+@dataclass(frozen=True)
+class SoftwareSpine:
+    """A software aggregator as the spine of P4 leaves: the leaves address their partials to
+    ``aggregator_mac``/``aggregator_ip``:``udp_port`` (where it listens); embedded in the
+    controller, or ``remote``."""
+
+    name: str
+    aggregator_ip: str
+    udp_port: int
+    aggregator_mac: str
+    remote: Remote | None = None
+
+    @property
+    def listen(self) -> tuple[str, int]:
+        return (self.aggregator_ip, self.udp_port)
+
+
+@dataclass(frozen=True)
+class Network:
+    """A topology file's P4 switches and the software spines their leaves may name."""
+
+    switches: list[Topology]
+    software_spines: list[SoftwareSpine] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

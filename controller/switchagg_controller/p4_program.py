@@ -14,7 +14,7 @@ from pathlib import Path
 
 from switchagg import protocol
 
-from .model import Job, MulticastGroup, SwitchState, TableEntry, Topology, WorkerAddr
+from .model import Job, MulticastGroup, SoftwareSpine, SwitchState, TableEntry, Topology, WorkerAddr
 
 _REPO = Path(__file__).resolve().parents[2]
 P4_SOURCE = _REPO / "p4" / "switchagg.p4"
@@ -87,8 +87,9 @@ class LeafRole:
     spine_udp_port: int = protocol.UDP_PORT
 
 
-def leaf_view(job: Job, leaf: Topology, spine: Topology, index: int) -> tuple[Job, LeafRole]:
-    """Leaf ``index`` of a two-level job: its local ranks, and its uplink to the spine's aggregator."""
+def leaf_view(job: Job, leaf: Topology, spine: Topology | SoftwareSpine, index: int) -> tuple[Job, LeafRole]:
+    """Leaf ``index`` of a two-level job: its local ranks, and its uplink to the spine's aggregator
+    (a P4 switch's, or a software spine's)."""
     if leaf.uplink is None or leaf.uplink.switch != spine.name:
         raise ProgramError(f"switch {leaf.name} has no uplink to {spine.name}")
     local = tuple(w for w in job.workers if leaf.host_by_ip(w.ip) is not None)
@@ -97,13 +98,20 @@ def leaf_view(job: Job, leaf: Topology, spine: Topology, index: int) -> tuple[Jo
 
 
 def spine_view(job: Job, leaves: list[Topology]) -> Job:
-    """The spine's job: rank l is leaf l (its aggregator address, on the spine's port of its uplink)."""
+    """The spine's job: rank l is leaf l (its aggregator address, the UDP source of its partials,
+    on the spine's port of its uplink: none for a software spine)."""
     ranks = []
     for index, leaf in enumerate(leaves):
         if leaf.uplink is None:
             raise ProgramError(f"switch {leaf.name} has no uplink")
         ranks.append(
-            WorkerAddr(index, leaf.aggregator_ip, leaf.udp_port, leaf.aggregator_mac, leaf.uplink.spine_port)
+            WorkerAddr(
+                index,
+                leaf.aggregator_ip,
+                leaf.udp_port,
+                leaf.aggregator_mac,
+                -1 if leaf.uplink.spine_port is None else leaf.uplink.spine_port,
+            )  # fmt: skip
         )
     return replace(job, n=len(leaves), workers=tuple(ranks))
 

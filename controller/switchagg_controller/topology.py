@@ -32,6 +32,20 @@ cable between them; a job whose workers sit behind several leaves of one spine i
 the leaves and the spine. A spine needs no hosts of its own.
 
     uplink: {switch: spine, port: 100, spine_port: 1}   # on a leaf: its port, the spine's port
+
+The spine may be a software aggregator instead (mixed hierarchies: P4 leaves, a software spine),
+listed under ``software_spines`` with the address the leaves send their partials to (``listen``,
+where it serves, and the MAC of that address); the leaf's uplink then names it without a
+``spine_port``. Like a two-level node (hierarchy.py), it is embedded in the controller, or runs
+elsewhere and names its control service and secret (relative to this file):
+
+software_spines:
+  - {name: sspine, listen: 10.213.0.254:48879, mac: "02:5c:00:00:00:fe",
+     control: unix:/run/sspine/control.sock, secret_file: sspine.secret}   # both optional
+switches:
+  - name: l0
+    ...
+    uplink: {switch: sspine, port: 100}
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from switchagg_controller.model import HostPort, Topology, Uplink
+from switchagg_controller.model import HostPort, Network, Remote, SoftwareSpine, Topology, Uplink
 
 _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 
@@ -188,9 +202,57 @@ def _topology(
     )
 
 
-def _uplink(node: _Node) -> Uplink:
+def _address(node: _Node) -> tuple[str, int]:
+    host, sep, port = node.text().rpartition(":")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise node.fail(f"{node.text()!r} is not an IPv4:port address") from None
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:  # 0: a free port
+        raise node.fail(f"{node.text()!r} is not an IPv4:port address")
+    return (host, int(port))
+
+
+REMOTE_KEYS = ("control", "secret_file")
+
+
+def _remote(f: dict[str, _Node], base: Path) -> Remote | None:
+    """A software aggregator run elsewhere (both keys), or None (embedded in the controller)."""
+    if "control" not in f and "secret_file" not in f:
+        return None
+    for key in REMOTE_KEYS:
+        if key not in f:
+            other = next(k for k in REMOTE_KEYS if k != key)
+            raise f[other].fail(f"{other} needs {key} too (a node run elsewhere names both)")
+    if f["listen"].text().endswith(":0"):
+        raise f["listen"].fail("a node run elsewhere needs its real port, not 0")
+    return Remote(f["control"].text(), base / f["secret_file"].text())
+
+
+def _software_spines(node: _Node, base: Path) -> tuple[list[SoftwareSpine], dict[str, _Node]]:
+    out: list[SoftwareSpine] = []
+    nodes: dict[str, _Node] = {}
+    for item in node.sequence():
+        f = item.mapping(("name", "listen", "mac"), REMOTE_KEYS)
+        name = f["name"].text()
+        if not name or name in nodes:
+            raise f["name"].fail(f"{name!r} is empty or names another software spine too")
+        ip, port = _address(f["listen"])
+        if port == 0:
+            raise f["listen"].fail("the leaves need the spine's real port, not 0")
+        out.append(SoftwareSpine(name, ip, port, f["mac"].mac(), _remote(f, base)))
+        nodes[name] = item
+    return out, nodes
+
+
+def _uplink(node: _Node, software_spines: set[str]) -> Uplink:
+    """A leaf's uplink: to a P4 spine (its port there too), or to a software spine (no port)."""
+    target = node.mapping(("switch", "port"), ("spine_port",))["switch"].text()
+    if target in software_spines:
+        f = node.mapping(("switch", "port"))
+        return Uplink(target, f["port"].integer(0, 510), None)
     f = node.mapping(("switch", "port", "spine_port"))
-    return Uplink(f["switch"].text(), f["port"].integer(0, 510), f["spine_port"].integer(0, 510))
+    return Uplink(target, f["port"].integer(0, 510), f["spine_port"].integer(0, 510))
 
 
 def _spines(switches: list[_Node]) -> set[str]:
@@ -208,7 +270,7 @@ def _spines(switches: list[_Node]) -> set[str]:
     return out
 
 
-def _check_uplinks(out: list[Topology], nodes: dict[str, _Node]) -> None:
+def _check_uplinks(out: list[Topology], nodes: dict[str, _Node], software_spines: set[str]) -> None:
     """Two levels exactly: a leaf's spine exists, is no leaf itself, and its ports are free."""
     by_name = {t.name: t for t in out}
     used: dict[tuple[str, int], str] = {(t.name, h.port): f"host {h.name!r}" for t in out for h in t.hosts}
@@ -216,11 +278,18 @@ def _check_uplinks(out: list[Topology], nodes: dict[str, _Node]) -> None:
         if t.uplink is None:
             continue
         where = nodes[t.name]
+        if t.uplink.switch in software_spines:
+            key = (t.name, t.uplink.port)
+            if key in used:
+                raise where.fail(f"port {key[1]} of {key[0]!r} is {used[key]} already")
+            used[key] = f"the uplink of {t.name!r}"
+            continue
         spine = by_name.get(t.uplink.switch)
         if spine is None or spine is t:
             raise where.fail(f"{t.uplink.switch!r} is not another switch of the topology")
         if spine.uplink is not None:
             raise where.fail(f"{spine.name!r} is a leaf itself (two levels only)")
+        assert t.uplink.spine_port is not None  # _uplink requires it for a P4 spine
         for key in ((t.name, t.uplink.port), (spine.name, t.uplink.spine_port)):
             if key in used:
                 raise where.fail(f"port {key[1]} of {key[0]!r} is {used[key]} already")
@@ -229,6 +298,12 @@ def _check_uplinks(out: list[Topology], nodes: dict[str, _Node]) -> None:
 
 def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
     """Every switch of a topology file: the one-switch form, or ``switches:`` (a list)."""
+    return parse_network(text, source).switches
+
+
+def parse_network(text: str, source: str = "<topology>", base: Path | None = None) -> Network:
+    """The switches of a topology file and its software spines. ``base``: the directory relative
+    secret_file paths start from (default: the working one)."""
     try:
         root_node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -245,8 +320,15 @@ def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
     if not is_list:
         top = root.mapping(("switch", "aggregator", "hosts"), ("cpu_port",))
         switch = top["switch"].mapping(("address", "device_id"), ("election_id",))
-        return [_topology("s1", switch, top["aggregator"], top["hosts"], top.get("cpu_port"), ips)]
-    switches_node = root.mapping(("switches",))["switches"]
+        return Network([_topology("s1", switch, top["aggregator"], top["hosts"], top.get("cpu_port"), ips)])
+    fields_top = root.mapping(("switches",), ("software_spines",))
+    switches_node = fields_top["switches"]
+    software, software_nodes = (
+        _software_spines(fields_top["software_spines"], base if base is not None else Path())
+        if "software_spines" in fields_top
+        else ([], {})
+    )
+    soft_names = {s.name for s in software}
     out: list[Topology] = []
     names: dict[str, int] = {}
     endpoints: dict[tuple[str, int], str] = {}
@@ -261,7 +343,9 @@ def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
         if not name or name in names:
             raise fields["name"].fail(f"{name!r} is empty or names another switch too")
         names[name] = len(out)
-        uplink = _uplink(fields["uplink"]) if "uplink" in fields else None
+        if name in soft_names:
+            raise fields["name"].fail(f"{name!r} names a software spine too")
+        uplink = _uplink(fields["uplink"], soft_names) if "uplink" in fields else None
         uplink_nodes[name] = fields.get("uplink", node)
         t = _topology(
             name, fields, fields["aggregator"], fields["hosts"], fields.get("cpu_port"), ips, uplink,
@@ -276,8 +360,12 @@ def parse_topologies(text: str, source: str = "<topology>") -> list[Topology]:
         out.append(t)
     if not out:
         raise switches_node.fail("at least one switch is needed")
-    _check_uplinks(out, uplink_nodes)
-    return out
+    _check_uplinks(out, uplink_nodes, soft_names)
+    named = {t.uplink.switch for t in out if t.uplink is not None}
+    for spine in software:
+        if spine.name not in named:
+            raise software_nodes[spine.name].fail(f"software spine {spine.name!r} is no leaf's uplink")
+    return Network(out, software)
 
 
 def parse_topology(text: str, source: str = "<topology>") -> Topology:
@@ -301,6 +389,10 @@ def load_topologies(path: str | Path) -> list[Topology]:
     return parse_topologies(*read_config(path, "topology file"))
 
 
+def load_network(path: str | Path) -> Network:
+    return parse_network(*read_config(path, "topology file"), base=Path(path).parent)
+
+
 def load_topology(path: str | Path) -> Topology:
     return parse_topology(*read_config(path, "topology file"))
 
@@ -309,9 +401,17 @@ def _hosts_doc(t: Topology) -> list[dict[str, Any]]:
     return [{"name": h.name, "port": h.port, "mac": h.mac, "ip": h.ip} for h in t.hosts]
 
 
-def dump_topologies(switches: list[Topology]) -> str:
-    """The YAML text of several switches; ``parse_topologies(dump_topologies(ts)) == ts``."""
+def _software_spine_doc(s: SoftwareSpine) -> dict[str, Any]:
+    remote = {"control": s.remote.control, "secret_file": str(s.remote.secret_file)} if s.remote else {}
+    return {"name": s.name, "listen": f"{s.aggregator_ip}:{s.udp_port}", "mac": s.aggregator_mac, **remote}
+
+
+def dump_topologies(switches: list[Topology], software_spines: list[SoftwareSpine] | None = None) -> str:
+    """The YAML text of several switches (and software spines); ``parse_topologies(dump_topologies(ts))
+    == ts``, and ``parse_network`` reads the software spines back (absolute secret_file paths)."""
+    spines = {"software_spines": [_software_spine_doc(s) for s in software_spines]} if software_spines else {}
     doc = {
+        **spines,
         "switches": [
             {
                 "name": t.name,
@@ -326,7 +426,9 @@ def dump_topologies(switches: list[Topology]) -> str:
                         "uplink": {
                             "switch": t.uplink.switch,
                             "port": t.uplink.port,
-                            "spine_port": t.uplink.spine_port,
+                            **(
+                                {"spine_port": t.uplink.spine_port} if t.uplink.spine_port is not None else {}
+                            ),
                         }
                     }
                     if t.uplink
@@ -334,7 +436,7 @@ def dump_topologies(switches: list[Topology]) -> str:
                 ),
             }
             for t in switches
-        ]
+        ],
     }
     text: str = yaml.safe_dump(doc, sort_keys=False)
     return text

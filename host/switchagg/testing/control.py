@@ -14,15 +14,25 @@ CONTROL = re.compile(r"control on (\S+); boot id ([0-9a-f]+)")
 
 class ControlledAggregator:
     """One aggregator process serving UDP on ``host:port`` (0: a free one, then kept across
-    restarts) with its control service on the Unix socket ``<tmp>/<name>.sock``."""
+    restarts) with its control service on the Unix socket ``<tmp>/<name>.sock``; in network
+    namespace ``netns`` if given (the socket is a file: a controller outside reaches it)."""
 
     __test__ = False
 
-    def __init__(self, tmp: Path, name: str, secret: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        secret: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        netns: str | None = None,
+    ) -> None:
         self.secret_file = tmp / f"{name}.secret"
         self.secret_file.write_text(secret + "\n")
         self.target = f"unix:{tmp / name}.sock"
         self.host, self.port = host, port
+        self.netns = netns
         self.proc: subprocess.Popen[str] | None = None
         self.boot_id = ""
 
@@ -31,8 +41,10 @@ class ControlledAggregator:
         return (self.host, self.port)
 
     def start(self) -> ControlledAggregator:
+        # ip netns exec execs the command: the process is the aggregator itself (kill() is a crash)
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "switchagg.aggregator", "--host", self.host, "--port", str(self.port),
+            [*prefix, sys.executable, "-m", "switchagg.aggregator", "--host", self.host, "--port", str(self.port),
              "--control", self.target, "--control-secret-file", str(self.secret_file)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

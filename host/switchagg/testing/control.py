@@ -44,8 +44,9 @@ class ControlledAggregator:
         # ip netns exec execs the command: the process is the aggregator itself (kill() is a crash)
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "switchagg.aggregator", "--host", self.host, "--port", str(self.port),
-             "--control", self.target, "--control-secret-file", str(self.secret_file)],
+            [*prefix, sys.executable, "-m", "switchagg.aggregator", "--host", self.host,
+             "--port", str(self.port), "--control", self.target,
+             "--control-secret-file", str(self.secret_file)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert proc.stdout is not None

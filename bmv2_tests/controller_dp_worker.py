@@ -17,7 +17,9 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     n, length = cfg["n"], cfg["length"]
     progress = Path(cfg["progress"])
-    stop = Path(cfg["stop"]) if cfg.get("stop") else None  # the test ends the run early by creating it
+    # The test ends the run early by creating it: empty, stop now; else the iteration to stop at,
+    # one no worker began yet (so no peer is left waiting in an allreduce this one skips).
+    stop = Path(cfg["stop"]) if cfg.get("stop") else None
     report: dict[str, object] = {}
     ok = wrong = 0
     error = None
@@ -29,7 +31,9 @@ def main() -> None:
         base = np.arange(length, dtype=np.int64)
         for it in range(cfg["iterations"]):
             if stop is not None and stop.exists():
-                break
+                at = stop.read_text().strip()
+                if not at or it >= int(at):
+                    break
             x = (base * (it + 1) + 7 * a.rank - 3).astype(np.int32)
             want = (base * (it + 1) * n + 7 * n * (n - 1) // 2 - 3 * n).astype(np.int32)
             try:

@@ -10,6 +10,7 @@ skipped, with the reason, where bmv2 or the compiled P4 program is missing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,6 +74,27 @@ def _start(
             e.popen([sys.executable, WORKER, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         )
     return procs
+
+
+def progress(tmp: Path, name: str, endpoints: Any) -> list[int]:
+    """The allreduces each worker finished so far (0 for a file not there or read mid-write)."""
+    done = []
+    for e in endpoints:
+        try:
+            done.append(int((tmp / f"{name}-{e.index}").read_text() or 0))
+        except (OSError, ValueError):
+            done.append(0)
+    return done
+
+
+def stop_together(stop: Path, tmp: Path, name: str, endpoints: Any) -> None:
+    """Ends the workers' run at one iteration none of them began yet. (An empty stop file ends
+    each at its next check: one that finished an allreduce first may begin the next one while
+    its peers stop, and then waits for its session timeout.) Peers are at most one allreduce
+    apart, and a progress file read mid-write counts 0: two past the most seen is safe."""
+    part = stop.with_name(stop.name + ".part")
+    part.write_text(str(max(progress(tmp, name, endpoints)) + 2))
+    os.replace(part, stop)  # whole: a worker never reads half of it
 
 
 def _reports(procs: list[Any], timeout: float = 300) -> list[dict[str, Any]]:

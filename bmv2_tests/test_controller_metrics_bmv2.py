@@ -25,19 +25,9 @@ own_bed = dataplane.own_bed  # the fixture: a testbed of its own (this test kill
 _reports, _start, _topology_file = dataplane._reports, dataplane._start, dataplane._topology_file
 
 
-def _progress(tmp: Path, name: str, endpoints: Any) -> list[int]:
-    out = []
-    for e in endpoints:
-        try:
-            out.append(int((tmp / f"{name}-{e.index}").read_text() or 0))
-        except (OSError, ValueError):
-            out.append(0)
-    return out
-
-
 def _wait_progress(tmp: Path, name: str, bed: Any, procs: list[Any], at_least: int) -> list[int]:
     deadline = time.monotonic() + 120
-    while min(done := _progress(tmp, name, bed.endpoints)) < at_least:
+    while min(done := dataplane.progress(tmp, name, bed.endpoints)) < at_least:
         assert time.monotonic() < deadline, f"the workers never reached {at_least} allreduces: {done}"
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.05)
@@ -72,14 +62,14 @@ def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, 
             assert value(first, "switchagg_service_jobs", state="active") == 1
             assert value(first, "switchagg_join_seconds_count", outcome="ok") == n
 
-            later = max(_progress(tmp_path, "metrics", own_bed.endpoints)) + 2
+            later = max(dataplane.progress(tmp_path, "metrics", own_bed.endpoints)) + 2
             finished = min(_wait_progress(tmp_path, "metrics", own_bed, procs, later))
             second = scrape(address)
             moved = value(second, "switchagg_job_aggregated_total", **job)
             assert moved >= finished * n * CHUNKS and moved > aggregated
             assert value(second, "switchagg_job_multicast_total", **job) >= finished * CHUNKS
         finally:
-            stop.touch()
+            dataplane.stop_together(stop, tmp_path, "metrics", own_bed.endpoints)
             reports = _reports(procs)
         assert all(r["wrong"] == 0 and r["error"] is None for r in reports), reports
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start
+from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, stop_together
 from test_controller_two_level_bmv2 import _generation, _job_counters, _progress
 
 from switchagg import protocol
@@ -105,7 +105,7 @@ def test_two_bmv2_leaves_behind_a_remote_software_spine_sum_exactly(
         spine_plane = planes[f"p4:{SPINE}"]
         assert [j["job_id"] for j in spine_plane["jobs"]] == [job_id]
         assert spine_plane["jobs"][0]["aggregated"] > 0 and listed["unavailable"] == []
-        stop.write_text("")
+        stop_together(stop, tmp_path, "mx", bed.workers)
         reports = _reports(procs)
         assert sorted(r["rank"] for r in reports) == list(range(sum(RACKS)))
         assert {r["data_plane"] for r in reports} == {"p4"} and {r["k"] for r in reports} == {protocol.P4_K}
@@ -163,7 +163,7 @@ def test_a_software_spine_restarted_under_a_running_job_is_reconciled(
         while _progress(tmp_path, "sr", bed.workers) < after + 3 and all(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the workers neither went on nor failed"
             time.sleep(0.1)
-        stop.write_text("")
+        stop_together(stop, tmp_path, "sr", bed.workers)
         reports = _reports(procs)
         outcome = [(r["rank"], r["ok"], r["error"]) for r in reports]
         print(f"\nspine back with its job {reconciled:.2f} s after its restart; then {outcome}")

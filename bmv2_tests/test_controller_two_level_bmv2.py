@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start
+from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, progress, stop_together
 
 from switchagg import protocol
 
@@ -59,13 +59,7 @@ def _job_counters(address: str, index: int, names: dict[str, str]) -> dict[str, 
 
 def _progress(tmp: Path, name: str, endpoints: Any) -> int:
     """The fewest allreduces any worker finished so far."""
-    done = []
-    for e in endpoints:
-        try:
-            done.append(int((tmp / f"{name}-{e.index}").read_text() or 0))
-        except (OSError, ValueError):
-            done.append(0)
-    return min(done)
+    return min(progress(tmp, name, endpoints))
 
 
 def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Path) -> None:
@@ -106,7 +100,7 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
                 k for k in samples if k[0] == "switchagg_job_upstream_total" and ("switch", "spine") in k[1]
             ]
             assert not spine_leaf
-        stop.write_text("")
+        stop_together(stop, tmp_path, "tl", racks.workers)
         reports = _reports(procs)
         assert sorted(r["rank"] for r in reports) == list(range(sum(RACKS)))
         assert {r["data_plane"] for r in reports} == {"p4"} and {r["k"] for r in reports} == {protocol.P4_K}
@@ -183,7 +177,7 @@ def test_a_leaf_restarted_under_running_workers_is_reprogrammed_and_no_sum_is_wr
         while _progress(tmp_path, "rs", racks.workers) < after + 3 and all(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the workers neither went on nor failed"
             time.sleep(0.1)
-        stop.write_text("")
+        stop_together(stop, tmp_path, "rs", racks.workers)
         reports = _reports(procs)
         print("\nafter the leaf restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])
         assert all(r["wrong"] == 0 for r in reports), reports

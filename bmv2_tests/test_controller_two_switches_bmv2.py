@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start
+from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, stop_together
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
         # b was left alone: the job runs on with the generation it was installed with.
         assert _generation(b.grpc_address, job_id) == generation
         running_past(done() + 3, "after switch a came back")
-        stop.write_text("")
+        stop_together(stop, tmp_path, "onb", b.endpoints)
 
         reports = _reports(procs)
         assert {r["data_plane"] for r in reports} == {"p4"}

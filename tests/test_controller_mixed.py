@@ -159,3 +159,15 @@ def test_a_restarted_spine_is_reconciled_to_exactly_its_jobs(spine: SoftwareAggr
     assert plane.reconcile_software_spine("sspine", [mine, local]) == (1, 1)
     assert set(spine.jobs()) == {5}
     assert plane.reconcile_software_spine("sspine", [mine, local]) == (0, 0)  # idempotent
+
+
+def test_reloaded_jobs_are_put_back_on_the_software_spine(spine: SoftwareAggregator) -> None:
+    """A controller restart: restore() installs the spine's part at once (the leaves get theirs
+    from their supervisors when they connect; none here)."""
+    plane = _plane(spine)
+    across = _job(plane, ["10.0.0.1", "10.0.1.1"], job_id=4)
+    local = _job(plane, ["10.0.0.1"], job_id=8)
+    asyncio.run(plane.restore([across, local]))
+    assert set(spine.jobs()) == {4} and spine.jobs()[4].n == 2
+    asyncio.run(plane.remove(across))  # the leaves are away: the spine still lets it go
+    assert spine.jobs() == {}

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import grpc
 
 from switchagg import protocol
 from switchagg_controller import allocation
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from switchagg_controller.supervisor import SwitchSupervisor
 
 _T = TypeVar("_T")
+_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # a remote aggregator away
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +149,7 @@ class SoftwareDataPlane:
         self._installed: set[int] = set()
         self.label = label or self.name
         self.remote = isinstance(aggregator, RemoteAggregator)
+        self._lock = threading.Lock()  # a reconcile (in a thread) apart from an install or remove
 
     async def _off_loop(self, call: Callable[..., _T], *args: object) -> _T:
         return await asyncio.to_thread(call, *args) if self.remote else call(*args)
@@ -172,19 +177,26 @@ class SoftwareDataPlane:
         )
 
     def _install(self, job: Job) -> None:
-        if job.job_id in self._installed:  # a reinstall with a new generation
-            self.agg.remove_job(job.job_id)
-            self._installed.discard(job.job_id)
-        try:
-            self._add(job)
-        except Exception as e:
-            raise DataPlaneError(f"the software aggregator {self.label} refused job {job.job_id}: {e}") from e
-        self._installed.add(job.job_id)
+        from switchagg.aggregator_control import ControlError
+
+        with self._lock:
+            try:
+                if job.job_id in self._installed:  # a reinstall with a new generation
+                    self._installed.discard(job.job_id)
+                    self.agg.remove_job(job.job_id)
+                self._add(job)
+            except Exception as e:
+                away = isinstance(e, ControlError) and e.code in _AWAY
+                raise DataPlaneError(
+                    f"the software aggregator {self.label} refused job {job.job_id}: {e}", away
+                ) from e
+            self._installed.add(job.job_id)
 
     def _remove(self, job: Job) -> None:
-        if job.job_id in self._installed:
-            self._installed.discard(job.job_id)
-            self.agg.remove_job(job.job_id)
+        with self._lock:
+            if job.job_id in self._installed:
+                self._installed.discard(job.job_id)
+                self.agg.remove_job(job.job_id)
 
     async def install(self, job: Job) -> None:
         await self._off_loop(self._install, job)
@@ -199,8 +211,9 @@ class SoftwareDataPlane:
     def reconcile(self, jobs: list[Job]) -> tuple[int, int]:
         """Makes the aggregator hold exactly ``jobs`` (blocking: call it off the loop for a remote
         one), with their generations; they count as installed from now on."""
-        self._installed = {j.job_id for j in jobs}
-        return reconcile_jobs(self.agg, {j.job_id: j for j in jobs}, self._add)
+        with self._lock:
+            self._installed = {j.job_id for j in jobs}
+            return reconcile_jobs(self.agg, {j.job_id: j for j in jobs}, self._add)
 
     async def counters(self) -> CounterReading:
         try:

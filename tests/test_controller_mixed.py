@@ -171,3 +171,24 @@ def test_reloaded_jobs_are_put_back_on_the_software_spine(spine: SoftwareAggrega
     assert set(spine.jobs()) == {4} and spine.jobs()[4].n == 2
     asyncio.run(plane.remove(across))  # the leaves are away: the spine still lets it go
     assert spine.jobs() == {}
+
+
+def test_a_remote_spine_that_is_away_makes_the_install_unavailable(tmp_path: Path) -> None:
+    """Nothing serves its control socket: the job is not placed here, and the reason says the
+    data plane is away (the workers hear UNAVAILABLE, as for a switch away), not full."""
+    from switchagg.aggregator_control import RemoteAggregator
+    from switchagg_controller.dataplane import DataPlaneError
+
+    net = parse_network(MIXED, "net.yaml")
+    remote = RemoteAggregator(f"unix:{tmp_path}/nobody.sock", "s", timeout=0.5, address=("127.0.0.1", 48879))
+    try:
+        plane = P4DataPlane(net.switches, software_spines=[(net.software_spines[0], remote)])
+        job = _job(plane, ["10.0.0.1", "10.0.1.1"])
+        with pytest.raises(DataPlaneError, match="sspine refused job 3") as e:
+            asyncio.run(plane.install(job))
+        assert e.value.unavailable
+        assert plane.jobs_on("l0") == []  # not left on the leaves either
+        reading = asyncio.run(plane.counters())
+        assert list(reading.unavailable) == ["p4:sspine"]
+    finally:
+        remote.close()

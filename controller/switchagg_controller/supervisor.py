@@ -168,6 +168,14 @@ class SwitchSupervisor:
             return bool(await p4rt.read_table_entries(self.switch))
         except Exception:  # e.g. "no pipeline": a switch that restarted under us
             return False
+        except asyncio.CancelledError:
+            # A read on a connection finsy is tearing down is cancelled although we are not: that
+            # switch holds nothing of ours any more. Our own cancellation still propagates.
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+; 3.10 re-raises as before
+            if cancelling is None or cancelling():
+                raise
+            return False
 
     async def wait_ready(self, timeout: float) -> bool:
         """True once the switch is connected and verifiably holds the desired state."""

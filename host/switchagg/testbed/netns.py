@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from switchagg import protocol
 from switchagg.testbed.tools import tool_env
@@ -232,3 +232,30 @@ class Endpoint:
             for chain, n in re.findall(r"chain (outbound|inbound) \{.*?counter packets (\d+)", out, re.S)
         }
         return counts.get("outbound", 0), counts.get("inbound", 0)
+
+
+_Bed = TypeVar("_Bed", bound="Bed")
+
+
+class Bed:
+    """A testbed built by ``start()`` and torn down by ``close()``; as a context manager, a
+    start that fails half-way is torn down too."""
+
+    __test__ = False  # not a pytest test class, whatever module imports it
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Bed) -> _Bed:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

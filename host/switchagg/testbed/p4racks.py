@@ -70,8 +70,7 @@ def egress_lost(ns: str, ifname: str) -> int:
     return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
 
 
-class P4Racks:
-    __test__ = False
+class P4Racks(netns.Bed):
     """bmv2 leaves with their workers, a bmv2 or software spine; use as a context manager."""
 
     def __init__(self, racks: list[int], workdir: Path, *, spine: str = "bmv2") -> None:
@@ -111,17 +110,6 @@ class P4Racks:
         ports = [(rack + 1, f"u{rack}") for rack in range(len(racks))]
         self.spine = Bmv2Switch(self.spine_ns, ports, workdir / "spine") if spine == "bmv2" else None
         self._made: list[str] = []
-
-    def __enter__(self) -> P4Racks:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _ns(self, name: str) -> None:
         netns.add_netns(name)

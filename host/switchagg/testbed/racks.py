@@ -58,8 +58,7 @@ class Leaf:
         return (self.uplink.ip, protocol.UDP_PORT)
 
 
-class Racks:
-    __test__ = False
+class Racks(netns.Bed):
     """Workers in racks behind leaves, leaves behind a spine; use as a context manager."""
 
     def __init__(
@@ -103,17 +102,6 @@ class Racks:
             for rack in range(len(racks))
         ]
         self._made: list[str] = []
-
-    def __enter__(self) -> Racks:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _ns(self, name: str) -> None:
         hosts = ["127.0.0.1 localhost", f"{SPINE_IP} spine"] + [f"{w.ip} h{w.index}" for w in self.workers]

@@ -41,8 +41,7 @@ def remove(prefix: str) -> list[str]:
     return netns.remove_matching(re.compile(rf"^{re.escape(prefix)}(sw|h\d+)$"))
 
 
-class Testbed:
-    __test__ = False  # not a pytest test class, whatever module imports it
+class Testbed(netns.Bed):
     """``n`` endpoints around one switch; use as a context manager (or start()/close())."""
 
     def __init__(
@@ -125,17 +124,6 @@ class Testbed:
         )
 
     # -- building and tearing down ---------------------------------------------------------
-
-    def __enter__(self) -> Testbed:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def built(self) -> bool:
         return self.switch_ns in netns.namespaces()

@@ -36,8 +36,8 @@ STEPPED_WORKER = textwrap.dedent(
     import numpy as np
     from switchagg import Session
     service, secret, name = sys.argv[1:4]
-    n, length = int(sys.argv[4]), int(sys.argv[5])
-    with Session.from_job_service(service, secret, name, n, join_timeout=60.0) as s:
+    n, length, ip = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    with Session.from_job_service(service, secret, name, n, bind=(ip, 0), join_timeout=60.0) as s:
         print(json.dumps({"job_id": s.assignment.job_id, "k": s.assignment.k}), flush=True)
         for _ in sys.stdin:
             x = np.full(length, s.assignment.rank + 1, dtype=np.int32)
@@ -87,8 +87,8 @@ def software_controller(tmp_path: Path) -> Iterator[Controller]:
     ctl.stop()
 
 
-def _worker(ctl: Controller, name: str, n: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-c", STEPPED_WORKER, ctl.address, SECRET, name, str(n), str(LENGTH)]
+def _worker(ctl: Controller, name: str, n: int, ip: str = "127.0.0.1") -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-c", STEPPED_WORKER, ctl.address, SECRET, name, str(n), str(LENGTH), ip]
     return subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -101,6 +101,22 @@ def _line(p: subprocess.Popen[str]) -> dict[str, int]:
         raise AssertionError(f"worker ended: {p.communicate(timeout=WAIT_S)[1]}")
     result: dict[str, int] = json.loads(line)
     return result
+
+
+def _step(procs: list[subprocess.Popen[str]], n: int) -> None:
+    """One allreduce on every worker; each must see the sum of ranks + 1."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    assert [_line(p)["sum"] for p in procs] == [n * (n + 1) // 2] * n
+
+
+def _leave(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.close()
+        assert p.wait(WAIT_S) == 0, p.communicate()[1]
 
 
 def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controller: Controller) -> None:
@@ -138,11 +154,7 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
         assert value(now, "switchagg_join_seconds_count", outcome="ok") == n
 
         for round_ in (1, 2):
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            assert [_line(p)["sum"] for p in procs] == [n * (n + 1) // 2] * n
+            _step(procs, n)
             now = scrape(address)  # the results came back: every contribution was counted
             assert value(now, "switchagg_job_aggregated_total", **job) == round_ * n * chunks
             assert value(now, "switchagg_job_multicast_total", **job) == round_ * chunks
@@ -160,10 +172,7 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
         counts = {"aggregated": 2 * n * chunks, "multicast": 2 * chunks, "resent": 0, "retrans_ignored": 0}
         assert plane["jobs"] == [{"job_id": job_id, **counts}]
         assert plane["total"]["rx"] >= 2 * n * chunks
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.close()
-            assert p.wait(WAIT_S) == 0, p.communicate()[1]
+        _leave(procs)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -215,3 +224,60 @@ def test_a_switch_that_is_not_there_is_down_and_the_scrape_still_answers(tmp_pat
             assert value(s, "switchagg_switch_programmed_total", switch=switch) == 0
     finally:
         ctl.stop()
+
+
+def test_two_level_nodes_run_elsewhere_are_scraped_and_one_away_is_down(tmp_path: Path) -> None:
+    """Spine and leaves as separate aggregator processes (read through their control services):
+    each node's job counters say what the two-level algorithm did; a leaf that is killed is
+    `switchagg_switch_up 0` while the scrape still answers for the others."""
+    from test_controller_remote_nodes import NODE_SECRET, WORKER_IPS, _spec
+
+    from switchagg.testing.control import ControlledAggregator
+
+    hosts = [("spine", "127.0.0.254"), ("rack0", "127.0.1.254"), ("rack1", "127.0.2.254")]
+    nodes = [ControlledAggregator(tmp_path, name, NODE_SECRET, host) for name, host in hosts]
+    for a in nodes:
+        a.start()
+    ctl = Controller(tmp_path, ["--two-level", str(_spec(tmp_path, nodes)), "--metrics-port", "0"])
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        ctl.start()
+        address = metrics_address(ctl)
+        plane = {"data_plane": allocation.TWO_LEVEL}
+        idle = scrape(address)
+        for node, _ in hosts:
+            assert value(idle, "switchagg_switch_up", switch=node, **plane) == 1
+            assert value(idle, "switchagg_slots_free", switch=node, **plane) == allocation.SW_POOL_SLOTS
+
+        n, name = len(WORKER_IPS), "racks"
+        procs = [_worker(ctl, name, n, ip) for ip in WORKER_IPS]
+        job_id, k = _line(procs[0])["job_id"], _line(procs[1])["k"]
+        for p in procs[2:]:
+            _line(p)
+        chunks = -(-LENGTH // k)
+        _step(procs, n)
+        s = scrape(address)
+        job = {"job": name, "job_id": str(job_id), **plane}
+        # Each leaf sums its two workers and sends one partial up per chunk; the spine sums the
+        # two leaves' partials and multicasts one result per chunk.
+        for leaf in ("rack0", "rack1"):
+            assert value(s, "switchagg_job_aggregated_total", switch=leaf, **job) == 2 * chunks
+            assert value(s, "switchagg_job_upstream_total", switch=leaf, **job) == chunks
+            assert value(s, "switchagg_job_workers", switch=leaf, **job) == n
+        assert value(s, "switchagg_job_aggregated_total", switch="spine", **job) == 2 * chunks
+        assert value(s, "switchagg_job_multicast_total", switch="spine", **job) == chunks
+        for node, _ in hosts:
+            assert value(s, "switchagg_drops_total", switch=node, **plane) == 0
+
+        nodes[2].kill()  # rack1 is away: down, its counters left out, the others still read
+        s = scrape(address)
+        assert value(s, "switchagg_switch_up", switch="rack1", **plane) == 0
+        assert not [key for key in s if ("switch", "rack1") in key[1] and key[0] != "switchagg_switch_up"]
+        assert value(s, "switchagg_switch_up", switch="spine", **plane) == 1
+        assert value(s, "switchagg_job_upstream_total", switch="rack0", **job) == chunks
+    finally:
+        for p in procs:
+            p.kill()
+        ctl.stop()
+        for a in nodes:
+            a.stop()

@@ -1,13 +1,14 @@
 """The controller's Prometheus metrics: `switchagg-ctl serve --metrics-port`.
 
 Built at scrape time, like the aggregator's (switchagg.metrics): the data planes' counters (the
-P4 switches' counter arrays read over P4Runtime, the embedded software aggregator's C counters)
-under the same names and labels as `switchagg-aggregator --metrics-port`, plus what only the
+P4 switches' counter arrays read over P4Runtime; the C counters of every software node: the
+software aggregator, embedded or remote, the two-level spine and leaves, the P4 plane's software
+spines) under the same names and labels as `switchagg-aggregator --metrics-port`, plus what only the
 controller knows: jobs by state, join latency, and each switch's supervisor counters.
 
-A scrape never waits long: each switch is read with a bound (``read_timeout``), all switches in
-parallel; a switch that is away or slow is `switchagg_switch_up 0` and its counters are left out
-(not zeros, which would read as a counter reset).
+A scrape never waits long: each switch and each remote software node is read with a bound
+(``read_timeout``), all in parallel; one that is away or slow is `switchagg_switch_up 0` and its
+counters are left out (not zeros, which would read as a counter reset).
 
 prometheus_client serves the scrape from a thread of its own; that thread is the one place that
 meets the controller's event loop: it asks the loop for one snapshot (``_snapshot``, every read
@@ -22,10 +23,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from switchagg import metrics, protocol
-from switchagg.aggregator import SoftwareAggregator
-from switchagg_controller import allocation, p4_program
+from switchagg import aggregator, metrics, protocol
+from switchagg.aggregator import AggregatorHandle
+from switchagg.aggregator_control import RemoteAggregator
+from switchagg_controller import allocation, hierarchy, p4_program
 from switchagg_controller.dataplane import P4DataPlane, SoftwareDataPlane
+from switchagg_controller.hierarchy import TwoLevelDataPlane
 from switchagg_controller.jobs import JobManager, JobView
 from switchagg_controller.supervisor import Counters, SwitchFleet
 
@@ -104,11 +107,12 @@ class ControllerMetrics:
     async def _snapshot(self) -> _Snapshot:
         samples: list[metrics.DataPlaneSample] = []
         up: list[tuple[str, str, int]] = []
-        software = self.manager.planes.get(allocation.SOFTWARE)
-        if isinstance(software, SoftwareDataPlane) and isinstance(software.agg, SoftwareAggregator):
-            sample = software.agg.metrics_sample()
-            samples.append(sample)
-            up.append((sample.switch, sample.data_plane, 1))
+        for node in await asyncio.gather(*(self._read_node(*n) for n in self._software_nodes())):
+            if isinstance(node, metrics.DataPlaneSample):
+                samples.append(node)
+                up.append((node.switch, node.data_plane, 1))
+            else:
+                up.append((*node, 0))
         p4 = self.manager.planes.get(allocation.P4)
         supervisors = []
         if isinstance(p4, P4DataPlane) and self.fleet is not None:
@@ -125,6 +129,43 @@ class ControllerMetrics:
                 for s in self.fleet.supervisors
             ]
         return _Snapshot(samples, up, supervisors, self.manager.list())
+
+    def _software_nodes(self) -> list[tuple[str | None, str, AggregatorHandle]]:
+        """(switch label, data plane, aggregator) of every software node: the software plane's
+        (labelled by its address), the two-level plane's spine and leaves, the P4 plane's
+        software spines."""
+        nodes: list[tuple[str | None, str, AggregatorHandle]] = []
+        software = self.manager.planes.get(allocation.SOFTWARE)
+        if isinstance(software, SoftwareDataPlane):
+            nodes.append((None, allocation.SOFTWARE, software.agg))
+        two = self.manager.planes.get(allocation.TWO_LEVEL)
+        if isinstance(two, TwoLevelDataPlane):
+            nodes.append((hierarchy.SPINE, allocation.TWO_LEVEL, two.spine))
+            nodes += [
+                (s.name, allocation.TWO_LEVEL, a) for s, a in zip(two.spec.leaves, two.leaves, strict=True)
+            ]
+        p4 = self.manager.planes.get(allocation.P4)
+        if isinstance(p4, P4DataPlane):
+            nodes += [(name, allocation.P4, plane.agg) for name, plane in p4.spine_planes.items()]
+        return nodes
+
+    async def _read_node(
+        self, switch: str | None, plane: str, agg: AggregatorHandle
+    ) -> metrics.DataPlaneSample | tuple[str, str]:
+        """A sample, or (switch, data plane) of a node that did not answer within the bound. An
+        embedded aggregator is read right here (C calls of about 0.1 ms); a remote one is two
+        blocking gRPC calls, made in a worker thread."""
+        if not isinstance(agg, RemoteAggregator):
+            return aggregator.metrics_sample(agg, switch, plane)
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(aggregator.metrics_sample, agg, switch, plane), self.read_timeout
+            )
+        except Exception:  # away or slow: up 0, its counters left out
+            if switch is None:
+                host, port = agg.address
+                switch = f"{host}:{port}"
+            return switch, plane
 
     @staticmethod
     def _p4_sample(p4: P4DataPlane, switch: str, values: Counters, free: int) -> metrics.DataPlaneSample:

@@ -86,6 +86,36 @@ class AggregatorHandle(Protocol):
     def counters(self) -> Counters: ...
 
 
+def metrics_sample(
+    agg: AggregatorHandle, switch: str | None = None, data_plane: str = "software"
+) -> DataPlaneSample:
+    """One snapshot of an aggregator's counters, as switchagg.metrics exports them: this
+    process's or one reached through its control service (then two blocking calls). ``switch``
+    names it (default its host:port); ``data_plane`` is what the job service calls its jobs'."""
+    from switchagg.metrics import DataPlaneSample, JobSample
+
+    # Counters first: a job added meanwhile is in jobs only, one removed in the counters only,
+    # and only the jobs in both are shown.
+    c, jobs = agg.counters(), agg.jobs()
+    if switch is None:
+        host, port = agg.address
+        switch = f"{host}:{port}"
+    return DataPlaneSample(
+        switch=switch,
+        data_plane=data_plane,
+        drops=c["drops"],
+        jobs=[
+            JobSample(job_id, counters, jobs[job_id].slot_count, jobs[job_id].n, jobs[job_id].name)
+            for job_id, counters in sorted(c["jobs"].items())
+            if job_id in jobs
+        ],
+        pool_slots=POOL_SLOTS,
+        packets_received=c["rx"],
+        packets_sent=c["tx"],
+        faults=c.get("faults", {}),
+    )
+
+
 _JOIN_TIMEOUT_S = 10.0  # run() notices stop() within ~50 ms; this only guards against a hang
 
 
@@ -172,24 +202,7 @@ class SoftwareAggregator:
 
     def metrics_sample(self) -> DataPlaneSample:
         """One snapshot of the counters, as switchagg.metrics exports them."""
-        from switchagg.metrics import DataPlaneSample, JobSample
-
-        c, jobs = self.counters(), self._jobs  # replaced, never mutated: a consistent snapshot
-        host, port = self.address
-        return DataPlaneSample(
-            switch=f"{host}:{port}",
-            data_plane="software",
-            drops=c["drops"],
-            jobs=[
-                JobSample(job_id, counters, jobs[job_id].slot_count, jobs[job_id].n, jobs[job_id].name)
-                for job_id, counters in sorted(c["jobs"].items())
-                if job_id in jobs
-            ],
-            pool_slots=POOL_SLOTS,
-            packets_received=c["rx"],
-            packets_sent=c["tx"],
-            faults=c["faults"],
-        )
+        return metrics_sample(self)
 
     def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> tuple[str, int]:
         """Serves this aggregator's metrics (and its process's) on http://host:port/metrics from a

@@ -7,7 +7,6 @@ placement says where it went.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from switchagg import protocol
@@ -87,7 +86,8 @@ class SlotPool:
 
 
 class SlotAllocator:
-    """The pools of the data planes this controller runs; thread-safe."""
+    """The pools of the data planes this controller runs. Used only on the controller's event
+    loop, and no method awaits: it needs no lock."""
 
     def __init__(
         self,
@@ -103,77 +103,69 @@ class SlotAllocator:
             self._pools[SOFTWARE] = SlotPool("software aggregator pool", sw_slots)
         if not self._pools:
             raise ValueError("an allocator needs at least one pool")
-        self._lock = threading.Lock()
 
     def has(self, data_plane: str) -> bool:
         return data_plane in self._pools
 
     def add_pool(self, key: str, size: int) -> None:
         """A pool of its own (e.g. one per software leaf and spine of a two-level data plane)."""
-        with self._lock:
-            if key in self._pools:
-                raise ValueError(f"pool {key!r} exists already")
-            self._pools[key] = SlotPool(key, size)
+        if key in self._pools:
+            raise ValueError(f"pool {key!r} exists already")
+        self._pools[key] = SlotPool(key, size)
 
     def place_on_all(self, data_plane: str, keys: tuple[str, ...], count: int) -> Placement:
         """One range of ``count`` slots free in every pool of ``keys`` (a two-level job has the
         same slots on each switch it crosses), taken from all of them."""
-        with self._lock:
-            missing = [k for k in keys if k not in self._pools]
-            if missing or not keys:
-                raise AllocationError(f"no slot pool {', '.join(missing) or '(none)'} is configured")
-            pools = [self._pools[k] for k in keys]
-            base = 0
-            while True:  # raise the base until every pool agrees; each round moves it up or ends
-                fits = [p.first_fit(count, base) for p in pools]
-                if all(b == base for b in fits):
-                    break
-                base = max(fits)
-            for p in pools:
-                p.reserve(base, count)
-            return Placement(data_plane, base, count, tuple(keys))
+        missing = [k for k in keys if k not in self._pools]
+        if missing or not keys:
+            raise AllocationError(f"no slot pool {', '.join(missing) or '(none)'} is configured")
+        pools = [self._pools[k] for k in keys]
+        base = 0
+        while True:  # raise the base until every pool agrees; each round moves it up or ends
+            fits = [p.first_fit(count, base) for p in pools]
+            if all(b == base for b in fits):
+                break
+            base = max(fits)
+        for p in pools:
+            p.reserve(base, count)
+        return Placement(data_plane, base, count, tuple(keys))
 
     def place(self, wants: list[tuple[str, int]]) -> Placement:
         """Places a range on the first (data plane, slot count) choice that fits."""
         if not wants:
             raise AllocationError("no data plane to place the job on")
         reasons = []
-        with self._lock:
-            for data_plane, count in wants:
-                pool = self._pools.get(data_plane)
-                if pool is None:
-                    reasons.append(f"no {data_plane} data plane is configured")
-                    continue
-                try:
-                    return Placement(data_plane, pool.allocate(count), count)
-                except AllocationError as e:
-                    reasons.append(str(e))
+        for data_plane, count in wants:
+            pool = self._pools.get(data_plane)
+            if pool is None:
+                reasons.append(f"no {data_plane} data plane is configured")
+                continue
+            try:
+                return Placement(data_plane, pool.allocate(count), count)
+            except AllocationError as e:
+                reasons.append(str(e))
         raise AllocationError("; ".join(reasons))
 
     def reserve(self, placement: Placement) -> None:
-        with self._lock:
-            missing = [k for k in placement.pool_keys if k not in self._pools]
-            if missing:
-                raise AllocationError(f"no {placement.data_plane} data plane pool {', '.join(missing)}")
-            done = []
-            try:
-                for key in placement.pool_keys:
-                    self._pools[key].reserve(placement.slot_base, placement.slot_count)
-                    done.append(key)
-            except AllocationError:
-                for key in done:
-                    self._pools[key].free(placement.slot_base)
-                raise
+        missing = [k for k in placement.pool_keys if k not in self._pools]
+        if missing:
+            raise AllocationError(f"no {placement.data_plane} data plane pool {', '.join(missing)}")
+        done = []
+        try:
+            for key in placement.pool_keys:
+                self._pools[key].reserve(placement.slot_base, placement.slot_count)
+                done.append(key)
+        except AllocationError:
+            for key in done:
+                self._pools[key].free(placement.slot_base)
+            raise
 
     def release(self, placement: Placement) -> None:
-        with self._lock:
-            for key in placement.pool_keys:
-                self._pools[key].free(placement.slot_base)
+        for key in placement.pool_keys:
+            self._pools[key].free(placement.slot_base)
 
     def ranges(self, data_plane: str) -> list[tuple[int, int]]:
-        with self._lock:
-            return self._pools[data_plane].ranges()
+        return self._pools[data_plane].ranges()
 
     def free_slots(self, data_plane: str) -> int:
-        with self._lock:
-            return self._pools[data_plane].free_slots()
+        return self._pools[data_plane].free_slots()

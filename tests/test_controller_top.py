@@ -126,3 +126,46 @@ def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path
             finally:
                 if p.poll() is None:
                     p.kill()
+
+
+def test_a_two_level_job_is_one_row_with_its_workers_rates(tmp_path: Path) -> None:
+    """2 leaves x 2 workers behind a spine (embedded nodes): the job's contributions are what
+    its leaves aggregated, its results what the spine multicast, and its slot range is counted
+    on every node."""
+    from test_controller_two_level import SPEC, WORKER_IPS
+
+    spec = tmp_path / "two-level.yaml"
+    spec.write_text(SPEC)
+    ctl = Controller(tmp_path, ["--two-level", str(spec), "--software", "--software-listen", "127.0.0.1:0"])
+    n, name, rounds = len(WORKER_IPS), "top-racks", 3
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        ctl.start()
+        procs = [m._worker(ctl, name, n, ip) for ip in WORKER_IPS]
+        k = [m._line(p) for p in procs][0]["k"]
+        chunks = -(-m.LENGTH // k)
+        before = _snapshot(ctl)
+        for _ in range(rounds):
+            m._step(procs, n)
+        after = _snapshot(ctl)
+        (listed,) = after.jobs["jobs"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=WAIT_S)
+        ctl.stop()
+    v = top.view(before, after)
+    (job,) = v["jobs"]
+    dt = v["interval_s"]
+    assert job["name"] == name and job["data_plane"] == allocation.TWO_LEVEL
+    assert job["contributions_per_s"] * dt == pytest.approx(rounds * n * chunks)
+    assert job["results_per_s"] * dt == pytest.approx(rounds * chunks)
+    assert job["resent_per_s"] == 0 and job["retrans_ignored_per_s"] == 0
+    planes = {p["data_plane"]: p for p in v["data_planes"]}
+    for node in ("spine", "rack0", "rack1"):
+        plane = planes[f"{allocation.TWO_LEVEL}:{node}"]
+        assert plane["jobs"] == 1 and plane["slots_allocated"] == listed["slot_count"] > 0
+    assert planes[allocation.SOFTWARE]["slots_allocated"] == 0
+    text = top.render(v, "title")
+    assert all(len(line) <= top.WIDTH for line in text.splitlines())
+    assert name in text and "two-level:rack1" in text

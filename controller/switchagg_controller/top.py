@@ -23,9 +23,30 @@ class Snapshot:
     counters: dict[str, Any]  # cli.counters_json
 
 
-def _job_counters(s: Snapshot) -> dict[int, tuple[str, dict[str, int]]]:
-    """job id -> (the data plane label its counters are under, e.g. "p4:s1", counters)."""
-    return {j["job_id"]: (p["data_plane"], j) for p in s.counters["data_planes"] for j in p["jobs"]}
+def _job_counters(s: Snapshot) -> dict[int, list[tuple[str, dict[str, int]]]]:
+    """job id -> [(the data plane label its counters are under, e.g. "p4:s1", counters)]: one
+    entry per switch or node the job is installed on (a two-level job: its leaves and spine)."""
+    out: dict[int, list[tuple[str, dict[str, int]]]] = {}
+    for p in s.counters["data_planes"]:
+        for j in p["jobs"]:
+            out.setdefault(j["job_id"], []).append((p["data_plane"], j))
+    return out
+
+
+def _job_totals(planes: list[tuple[str, dict[str, int]]]) -> dict[str, int]:
+    """A job's counters as one: on one level, its plane's. On two, the workers' contributions are
+    what the leaves aggregated (the planes with leaf counters), the results what the spine
+    multicast; resends and ignored retransmissions, loss on any hop, add up over all planes."""
+    if len(planes) == 1:
+        return planes[0][1]
+    leaves = [c for _, c in planes if protocol.LEAF_COUNTERS[0] in c]
+    spines = [c for _, c in planes if protocol.LEAF_COUNTERS[0] not in c]
+    return {
+        "aggregated": sum(c["aggregated"] for c in leaves or spines),
+        "multicast": sum(c["multicast"] for c in spines or leaves),
+        "resent": sum(c["resent"] for _, c in planes),
+        "retrans_ignored": sum(c["retrans_ignored"] for _, c in planes),
+    }
 
 
 def _pool(plane: str) -> int:
@@ -38,17 +59,19 @@ def view(before: Snapshot, after: Snapshot) -> dict[str, Any]:
     old, new = _job_counters(before), _job_counters(after)
 
     def rate(job_id: int, name: str) -> float | None:
-        if job_id not in old or job_id not in new:
-            return None  # new in this interval, or its counters unreadable: no rate yet
-        return (new[job_id][1][name] - old[job_id][1][name]) / dt
+        if job_id not in old or job_id not in new or len(old[job_id]) != len(new[job_id]):
+            return None  # new in this interval, or (some of) its counters unreadable: no rate yet
+        return (_job_totals(new[job_id])[name] - _job_totals(old[job_id])[name]) / dt
 
     jobs = []
     slots: dict[str, int] = {}
     for j in after.jobs["jobs"]:
         job_id = j["job_id"]
-        plane = new[job_id][0] if job_id in new else j["data_plane"]
+        on = [name for name, _ in new.get(job_id, [])]
+        plane = on[0] if len(on) == 1 else j["data_plane"]  # a job on several: its data plane
         if j["state"] == "active":
-            slots[plane] = slots.get(plane, 0) + j["slot_count"]
+            for name in on or [plane]:  # the job holds its slot range on every switch it crosses
+                slots[name] = slots.get(name, 0) + j["slot_count"]
         contributions = rate(job_id, "aggregated") if job_id is not None else None
         jobs.append(
             {
@@ -112,15 +135,15 @@ def render(v: dict[str, Any], title: str) -> str:
     if not v["jobs"]:
         lines.append("  no jobs")
     lines.append("")
-    lines.append(f"{'data plane':<14} {'jobs':>4} {'slots':>15} {'drops/s':>9}  drops")
+    lines.append(f"{'data plane':<20} {'jobs':>4} {'slots':>15} {'drops/s':>9}  drops")
     for p in v["data_planes"]:
         used = f"{p['slots_allocated']}/{p['slots_pool']}"
         share = f"{100 * p['slots_allocated'] / p['slots_pool']:.0f}%"
         nonzero = " ".join(f"{n}={c}" for n, c in p["drops"].items() if c) or "0"
         lines.append(
-            f"{p['data_plane']:<14.14} {p['jobs']:>4} {used + ' ' + share:>15} "
+            f"{p['data_plane']:<20.20} {p['jobs']:>4} {used + ' ' + share:>15} "
             f"{_num(p['drops_per_s'], 9)}  {nonzero}"
         )
     for name in v.get("unavailable", []):
-        lines.append(f"{name:<14.14}    - {'-':>15} {'-':>9}  unavailable")
+        lines.append(f"{name:<20.20}    - {'-':>15} {'-':>9}  unavailable")
     return "\n".join(line[:WIDTH] for line in lines)

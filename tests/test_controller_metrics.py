@@ -230,12 +230,10 @@ def test_two_level_nodes_run_elsewhere_are_scraped_and_one_away_is_down(tmp_path
     """Spine and leaves as separate aggregator processes (read through their control services):
     each node's job counters say what the two-level algorithm did; a leaf that is killed is
     `switchagg_switch_up 0` while the scrape still answers for the others."""
-    from test_controller_remote_nodes import NODE_SECRET, WORKER_IPS, _spec
+    from test_controller_remote_nodes import WORKER_IPS, _nodes, _spec
 
-    from switchagg.testing.control import ControlledAggregator
-
-    hosts = [("spine", "127.0.0.254"), ("rack0", "127.0.1.254"), ("rack1", "127.0.2.254")]
-    nodes = [ControlledAggregator(tmp_path, name, NODE_SECRET, host) for name, host in hosts]
+    names = ("spine", "rack0", "rack1")  # _nodes' order
+    nodes = _nodes(tmp_path)
     for a in nodes:
         a.start()
     ctl = Controller(tmp_path, ["--two-level", str(_spec(tmp_path, nodes)), "--metrics-port", "0"])
@@ -245,7 +243,7 @@ def test_two_level_nodes_run_elsewhere_are_scraped_and_one_away_is_down(tmp_path
         address = metrics_address(ctl)
         plane = {"data_plane": allocation.TWO_LEVEL}
         idle = scrape(address)
-        for node, _ in hosts:
+        for node in names:
             assert value(idle, "switchagg_switch_up", switch=node, **plane) == 1
             assert value(idle, "switchagg_slots_free", switch=node, **plane) == allocation.SW_POOL_SLOTS
 
@@ -266,7 +264,7 @@ def test_two_level_nodes_run_elsewhere_are_scraped_and_one_away_is_down(tmp_path
             assert value(s, "switchagg_job_workers", switch=leaf, **job) == n
         assert value(s, "switchagg_job_aggregated_total", switch="spine", **job) == 2 * chunks
         assert value(s, "switchagg_job_multicast_total", switch="spine", **job) == chunks
-        for node, _ in hosts:
+        for node in names:
             assert value(s, "switchagg_drops_total", switch=node, **plane) == 0
 
         nodes[2].kill()  # rack1 is away: down, its counters left out, the others still read

@@ -59,11 +59,7 @@ def test_rates_of_two_reads_around_known_allreduces_are_exact(software_controlle
         chunks = -(-m.LENGTH // k)
         before = _snapshot(software_controller)
         for _ in range(rounds):
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            [m._line(p) for p in procs]
+            m._step(procs, n)
         after = _snapshot(software_controller)
     finally:
         for p in procs:

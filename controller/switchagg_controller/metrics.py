@@ -130,14 +130,15 @@ class ControllerMetrics:
             ]
         return _Snapshot(samples, up, supervisors, self.manager.list())
 
-    def _software_nodes(self) -> list[tuple[str | None, str, AggregatorHandle]]:
+    def _software_nodes(self) -> list[tuple[str, str, AggregatorHandle]]:
         """(switch label, data plane, aggregator) of every software node: the software plane's
-        (labelled by its address), the two-level plane's spine and leaves, the P4 plane's
-        software spines."""
-        nodes: list[tuple[str | None, str, AggregatorHandle]] = []
+        (labelled by its address, as `switchagg-aggregator --metrics-port` labels itself), the
+        two-level plane's spine and leaves, the P4 plane's software spines."""
+        nodes: list[tuple[str, str, AggregatorHandle]] = []
         software = self.manager.planes.get(allocation.SOFTWARE)
         if isinstance(software, SoftwareDataPlane):
-            nodes.append((None, allocation.SOFTWARE, software.agg))
+            host, port = software.agg.address
+            nodes.append((f"{host}:{port}", allocation.SOFTWARE, software.agg))
         two = self.manager.planes.get(allocation.TWO_LEVEL)
         if isinstance(two, TwoLevelDataPlane):
             nodes.append((hierarchy.SPINE, allocation.TWO_LEVEL, two.spine))
@@ -150,7 +151,7 @@ class ControllerMetrics:
         return nodes
 
     async def _read_node(
-        self, switch: str | None, plane: str, agg: AggregatorHandle
+        self, switch: str, plane: str, agg: AggregatorHandle
     ) -> metrics.DataPlaneSample | tuple[str, str]:
         """A sample, or (switch, data plane) of a node that did not answer within the bound. An
         embedded aggregator is read right here (C calls of about 0.1 ms); a remote one is two
@@ -162,9 +163,6 @@ class ControllerMetrics:
                 asyncio.to_thread(aggregator.metrics_sample, agg, switch, plane), self.read_timeout
             )
         except Exception:  # away or slow: up 0, its counters left out
-            if switch is None:
-                host, port = agg.address
-                switch = f"{host}:{port}"
             return switch, plane
 
     @staticmethod

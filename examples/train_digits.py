@@ -11,6 +11,7 @@ Same seed, same data order and same initial weights for all three, so their accu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections.abc import Sequence
@@ -139,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.barrier()
     if state is not None:
         state.close()
+    # Tear down while the interpreter is whole: DDP's reducer holds the group and the hook's Python
+    # state in reference cycles that would otherwise be freed during finalization, from C++.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -47,11 +47,12 @@ def train(backend: str, tmp: Path) -> dict[str, Any]:
         "--json",
         str(out),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # faulthandler: a rank that aborts in C++ shows every Python thread's stack in the failure.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     env.pop("SWITCHAGG_JOB_SERVICE", None)
     # The timeout only turns a hang into a failure; it is no performance assertion.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-8000:]}"
     assert f"[{backend}] epoch   {EPOCHS}" in proc.stdout
     result: dict[str, Any] = json.loads(out.read_text())
     assert result["backend"] == backend and result["world_size"] == WORLD

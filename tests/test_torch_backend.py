@@ -76,6 +76,7 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
         assert r["ddp_hook_network_allreduces"] >= 3
         assert r["ddp_backend_max_diff"] <= r["ddp_bound"]
         assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
+        assert r["hook_state_freed_after_close"]
 
 
 def test_job_service_data_plane(tmp_path: Path) -> None:

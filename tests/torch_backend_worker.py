@@ -8,6 +8,7 @@ Each rank writes OUT_DIR/rankR.json with what it observed; the test does the ass
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +210,13 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     hooked_grads = grads(hooked, x)
     hook_calls = int(state.plane.session.stats()["allreduces"]) if state.plane else 0
     state.close()
+    # A closed state is not kept alive until exit (its atexit registration did; DDP's reducer
+    # keeps the state it was given, so this one is not given to DDP).
+    spare = satorch.SwitchaggHookState(gloo_group)
+    spare.close()
+    state_ref = weakref.ref(spare)
+    del spare
+    gc.collect()
 
     def max_diff(gs: list[torch.Tensor]) -> float:
         return max((a - b).abs().max().item() for a, b in zip(gs, reference, strict=True))
@@ -219,6 +228,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
         "ddp_backend_network_allreduces": backend_calls,
         "ddp_hook_network_allreduces": hook_calls,
         "ddp_grads_nonzero": bool(max(g.abs().max().item() for g in reference) > 0),
+        "hook_state_freed_after_close": state_ref() is None,
     }
 
 

@@ -101,6 +101,7 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
         return self._plane
 
     def close(self) -> None:
+        atexit.unregister(self.close)  # a closed group is not kept alive until exit
         with self._lock:
             plane, self._plane = self._plane, None
         if plane is not None:

@@ -52,6 +52,7 @@ class SwitchaggHookState:
         atexit.register(self.close)
 
     def close(self) -> None:
+        atexit.unregister(self.close)  # a closed state is not kept alive until exit
         plane, self.plane = self.plane, None
         if plane is not None:
             plane.close()

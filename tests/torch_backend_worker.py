@@ -214,7 +214,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     # keeps the state it was given, so this one is not given to DDP).
     spare = satorch.SwitchaggHookState(gloo_group)
     spare.close()
-    state_ref = weakref.ref(spare)
+    spare_ref = weakref.ref(spare)
     del spare
     gc.collect()
 
@@ -228,7 +228,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
         "ddp_backend_network_allreduces": backend_calls,
         "ddp_hook_network_allreduces": hook_calls,
         "ddp_grads_nonzero": bool(max(g.abs().max().item() for g in reference) > 0),
-        "hook_state_freed_after_close": state_ref() is None,
+        "hook_state_freed_after_close": spare_ref() is None,
     }
 
 

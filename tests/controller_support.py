@@ -86,6 +86,14 @@ class Controller:
             _, err = proc.communicate(timeout=30)
         return err
 
+    def kill(self) -> None:
+        """SIGKILL: the controller (and its embedded aggregator) dies without a word."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.communicate(timeout=30)
+
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "switchagg_controller.cli", *args]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

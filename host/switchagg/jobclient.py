@@ -10,6 +10,8 @@ Session.from_job_service does all of this for the session's lifetime.
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 from dataclasses import dataclass
 from types import TracebackType
@@ -110,29 +112,68 @@ def heartbeat(service: str, secret: str, assignment: Assignment, timeout: float 
     return r.generation
 
 
+# Answers that may change if asked again: the service is away or restarting (a restarted
+# controller reloads its jobs and answers again), overloaded, or the call broke on the way.
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+def is_transient(error: JobServiceError) -> bool:
+    """Whether asking again may succeed (see TRANSIENT_CODES); NOT_FOUND (the job was torn
+    down or reaped), UNAUTHENTICATED, PERMISSION_DENIED, FAILED_PRECONDITION etc. are final."""
+    return error.code is None or error.code in TRANSIENT_CODES
+
+
 class Heartbeat:
     """Heartbeats every ``interval`` seconds from a daemon thread while the job runs.
 
-    A failed heartbeat (job torn down or reaped, service gone) is kept in ``error``; the
-    thread stops then, since the job's slots may already belong to someone else.
+    A heartbeat that fails transiently (the service is away or restarting: UNAVAILABLE,
+    DEADLINE_EXCEEDED, see ``is_transient``) is retried with exponential backoff, from
+    ``min(interval, 0.1)`` s doubling up to ``min(interval, 5)`` s (with jitter), until it
+    succeeds or the heartbeat stops: a controller restart does not get the job reaped later. The
+    last such failure is in ``retrying`` (None once a heartbeat succeeded again), their number in
+    ``failures``. A definitive answer (NOT_FOUND: the job was torn down or reaped;
+    UNAUTHENTICATED, PERMISSION_DENIED, ...) is kept in ``error`` and stops the thread, since
+    the job's slots may already belong to someone else.
     """
 
     def __init__(self, service: str, secret: str, assignment: Assignment, interval: float = 2.0) -> None:
-        if interval <= 0:
-            raise ValueError(f"the heartbeat interval must be positive, not {interval}")
+        if not interval > 0 or math.isinf(interval):
+            raise ValueError(f"the heartbeat interval must be positive and finite, not {interval}")
         self.service, self.secret, self.assignment, self.interval = service, secret, assignment, interval
         self.error: JobServiceError | None = None
+        self.retrying: JobServiceError | None = None
+        self.failures = 0
         self.generation = assignment.generation
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="switchagg-heartbeat", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        backoff_cap = min(self.interval, 5.0)
+        delay = self.interval
+        retries = 0
+        while not self._stop.wait(delay):
             try:
                 self.generation = heartbeat(self.service, self.secret, self.assignment)
             except JobServiceError as e:
-                self.error = e
-                return
+                if not is_transient(e):
+                    self.error = e
+                    return
+                self.retrying, self.failures = e, self.failures + 1
+                backoff = min(backoff_cap, min(self.interval, 0.1) * 2.0**retries)
+                delay = random.uniform(backoff / 2, backoff)  # workers of one job do not retry in step
+                retries = min(retries + 1, 32)  # 2**32 times the first delay is past any cap
+                continue
+            self.retrying, delay, retries = None, self.interval, 0
 
     def start(self) -> Heartbeat:
         self._thread.start()

@@ -38,6 +38,7 @@ static const char *const drop_names[SA_DROP_NREASONS] = {"bad_version", "bad_typ
 struct job {
     uint16_t id, gen;
     uint32_t n, base, count, k;
+    uint32_t key;                    /* written into every RESULT; workers accept only results with it */
     /* Rank r's address, bound by the control plane: its packets must come from it and its results
      * go to it. There is no learnt mode: a foreign packet must never count as a rank's contribution. */
     struct sockaddr_in addrs[SA_MAX_WORKERS];
@@ -55,10 +56,12 @@ struct job {
     uint8_t *cnt;
     int8_t *exp;
     uint32_t *values;                /* count * 2 * k, host order, uint32 so that adds wrap */
-    /* Leaf only, per state index: the value is the spine's result; the partial's offset, flags. */
+    /* The round's identity, from its first contribution: every other one must match it. */
+    uint32_t *rcall, *rtotal, *roffset;
+    uint8_t *rflags;
+    uint8_t *poison;                 /* SA_POISON_FLAGS the round got: its result carries no sum */
+    /* Leaf only, per state index: the value is the spine's result. */
     uint8_t *final;
-    uint32_t *poffset;
-    uint8_t *pflags;
 };
 
 struct out_msg {
@@ -100,9 +103,12 @@ static void job_free(struct job *j) {
     free(j->cnt);
     free(j->exp);
     free(j->values);
+    free(j->rcall);
+    free(j->rtotal);
+    free(j->roffset);
+    free(j->rflags);
+    free(j->poison);
     free(j->final);
-    free(j->poffset);
-    free(j->pflags);
     free(j);
 }
 
@@ -187,9 +193,23 @@ static void queue_msg(Aggregator *a, const struct sa_header *h, uint8_t type, ui
     }
 }
 
-static void queue_result(Aggregator *a, const struct sa_header *h, uint16_t rank, int8_t exp,
-                         const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
-    queue_msg(a, h, SA_MSG_RESULT, rank, exp, payload, len, dst);
+/* The header every copy of state index si's RESULT carries (the rank is set per copy): the round's
+ * identity, its poison, and the job's key, so a worker can tell it from anything else. */
+static struct sa_header round_header(const struct job *j, uint32_t pool, size_t si) {
+    struct sa_header r = {
+        .version = SA_VERSION,
+        .type = SA_MSG_RESULT,
+        .flags = (uint8_t)(j->rflags[si] | j->poison[si]),
+        .exp = j->exp[si],
+        .job = htons(j->id),
+        .pool = htons((uint16_t)pool),
+        .elems = htons((uint16_t)j->k),
+        .offset = htonl(j->roffset[si]),
+        .call = htonl(j->rcall[si]),
+        .total = htonl(j->rtotal[si]),
+        .key = htonl(j->key),
+    };
+    return r;
 }
 
 /* Result payload of state index si, converted to network order in a fresh output buffer. */
@@ -203,26 +223,27 @@ static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y) {
     return x->sin_addr.s_addr == y->sin_addr.s_addr && x->sin_port == y->sin_port;
 }
 
-/* RESULT(value[si]) to every rank with an address here, header copied from h. */
-static void multicast(Aggregator *a, struct job *j, const struct sa_header *h, size_t si) {
+/* RESULT(value[si]) to rank r alone. */
+static void unicast(Aggregator *a, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
+    struct sa_header rh = round_header(j, pool, si);
+    queue_msg(a, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(a, j, si), 4 * (size_t)j->k, &j->addrs[r]);
+}
+
+/* RESULT(value[si]) to every rank with an address here. */
+static void multicast(Aggregator *a, struct job *j, uint32_t pool, size_t si) {
+    struct sa_header rh = round_header(j, pool, si);
     const uint8_t *out = encode_result(a, j, si);
     for (uint32_t q = 0; q < j->n; q++) {
         if (j->local_mask >> q & 1)
-            queue_result(a, h, (uint16_t)q, j->exp[si], out, 4 * (size_t)j->k, &j->addrs[q]);
+            queue_msg(a, &rh, SA_MSG_RESULT, (uint16_t)q, rh.exp, out, 4 * (size_t)j->k, &j->addrs[q]);
     }
     j->multicast++;
 }
 
 /* A leaf's partial of state index si to the spine: a worker's DATA with rank = the leaf index. */
 static void send_partial(Aggregator *a, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
-    struct sa_header up = {
-        .version = SA_VERSION,
-        .flags = j->pflags[si],
-        .job = htons(j->id),
-        .pool = htons((uint16_t)(slot | (s ? SA_POOL_SET_BIT : 0))),
-        .elems = htons((uint16_t)j->k),
-        .offset = htonl(j->poffset[si]),
-    };
+    struct sa_header up = round_header(j, slot | (s ? SA_POOL_SET_BIT : 0), si);
+    up.key = 0; /* a DATA carries no key */
     const uint8_t *out = encode_result(a, j, si);
     queue_msg(a, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
 }
@@ -265,16 +286,19 @@ static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const 
     uint32_t local, s;
     if (!job_slot(a, j, h, len, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
-    /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. */
-    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] ||
-        ntohl(h->offset) != j->poffset[si] || h->flags != j->pflags[si]) {
+    /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. The
+     * spine's result carries the partial's identity, and its poison if any round below had one. */
+    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != j->key ||
+        ntohl(h->offset) != j->roffset[si] || ntohl(h->call) != j->rcall[si] ||
+        ntohl(h->total) != j->rtotal[si] || (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS)) {
         j->stale_results++;
         return;
     }
     k_load(j->values + si * j->k, (const uint32_t *)(buf + SA_HEADER_LEN), j->k);
     j->exp[si] = h->exp;
+    j->poison[si] = h->flags & SA_POISON_FLAGS;
     j->final[si] = 1;
-    multicast(a, j, h, si);
+    multicast(a, j, ntohs(h->pool), si);
 }
 
 static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
@@ -327,17 +351,35 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
         int first = j->bitmap[si] == 0;
         j->bitmap[si] |= bit;
         j->bitmap[so] &= ~bit;
+        uint8_t poison = h->flags & SA_POISON_FLAGS;
         if (first) { /* overwrite: no reset of the slot is ever needed */
             k_load(v, p, k);
             j->exp[si] = h->exp;
             j->cnt[si] = 1;
-            if (j->leaf) {
-                j->final[si] = 0;
-                j->poffset[si] = ntohl(h->offset);
-                j->pflags[si] = h->flags;
-            }
+            j->rcall[si] = ntohl(h->call);
+            j->rtotal[si] = ntohl(h->total);
+            j->roffset[si] = ntohl(h->offset);
+            j->rflags[si] = h->flags;
+            j->poison[si] = poison;
+            if (j->leaf) j->final[si] = 0;
         } else {
-            k_add(v, p, k);
+            int differs = ntohl(h->call) != j->rcall[si] || ntohl(h->total) != j->rtotal[si] ||
+                          ntohl(h->offset) != j->roffset[si] ||
+                          (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS);
+            if (differs) poison |= SA_FLAG_MISMATCH;
+            if (j->poison[si] == 0 && poison != 0) {
+                /* The round turns poisoned: its payload says who differed, from the packet when it
+                 * carries that already (an abort, a poisoned partial), else from its header. */
+                uint32_t info[SA_MISMATCH_INFO_LEN] = {r, ntohl(h->call), ntohl(h->total), h->flags};
+                uint32_t m = k < SA_MISMATCH_INFO_LEN ? k : SA_MISMATCH_INFO_LEN;
+                if (h->flags & SA_POISON_FLAGS)
+                    k_load(v, p, m);
+                else
+                    memcpy(v, info, m * sizeof *v);
+            } else if (j->poison[si] == 0) {
+                k_add(v, p, k);
+            }
+            j->poison[si] |= poison;
             if (h->exp > j->exp[si]) j->exp[si] = h->exp;
             j->cnt[si]++;
         }
@@ -347,12 +389,11 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
                 send_partial(a, j, j->base + local, s, si);
                 j->upstream_sent++;
             } else {
-                multicast(a, j, h, si);
+                multicast(a, j, ntohs(h->pool), si);
             }
         }
     } else if (j->leaf && j->final[si]) {
-        const uint8_t *out = encode_result(a, j, si);
-        queue_result(a, h, (uint16_t)r, j->exp[si], out, 4 * (size_t)k, &j->addrs[r]);
+        unicast(a, j, ntohs(h->pool), si, r);
         j->resent++;
     } else if (j->cnt[si] == j->m) {
         if (j->leaf && r != j->first_local) {
@@ -361,8 +402,7 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
             send_partial(a, j, j->base + local, s, si);
             j->upstream_resent++;
         } else {
-            const uint8_t *out = encode_result(a, j, si);
-            queue_result(a, h, (uint16_t)r, j->exp[si], out, 4 * (size_t)k, &j->addrs[r]);
+            unicast(a, j, ntohs(h->pool), si, r);
             j->resent++;
         }
     } else {
@@ -542,11 +582,11 @@ static int parse_addrs(PyObject *addrs, uint32_t n, int allow_none, struct socka
 
 static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs",
-                             "upstream", "leaf_index", NULL};
-    long long job_id, n, base, count, k, gen, leaf_index = 0;
+                             "upstream", "leaf_index", "key", NULL};
+    long long job_id, n, base, count, k, gen, leaf_index = 0, key = 0;
     PyObject *addrs, *upstream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OL", kwlist, &job_id, &n, &base, &count, &k, &gen,
-                                     &addrs, &upstream, &leaf_index))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OLL", kwlist, &job_id, &n, &base, &count, &k, &gen,
+                                     &addrs, &upstream, &leaf_index, &key))
         return NULL;
     if (check_open(self) < 0) return NULL;
     if (job_id < 0 || job_id >= NJOB_IDS)
@@ -565,6 +605,8 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     if (leaf_index < 0 || leaf_index >= SA_MAX_WORKERS)
         return PyErr_Format(PyExc_ValueError, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %lld",
                             SA_MAX_WORKERS - 1, leaf_index);
+    if (key < 0 || key > 0xFFFFFFFFll)
+        return PyErr_Format(PyExc_ValueError, "key must be a 32-bit unsigned number, got %lld", key);
     if (upstream == Py_None && leaf_index != 0)
         return PyErr_Format(PyExc_ValueError, "leaf_index is %lld but no upstream is given", leaf_index);
     struct job *j = calloc(1, sizeof *j);
@@ -575,6 +617,7 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     j->base = (uint32_t)base;
     j->count = (uint32_t)count;
     j->k = (uint32_t)k;
+    j->key = (uint32_t)key;
     j->leaf = upstream != Py_None;
     j->leaf_index = (uint16_t)leaf_index;
     if ((j->leaf && parse_addr(upstream, "upstream", &j->upstream) < 0) ||
@@ -584,14 +627,9 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     }
     j->m = (uint32_t)__builtin_popcount(j->local_mask);
     j->first_local = (uint32_t)__builtin_ctz(j->local_mask);
-    if (j->leaf) {
-        j->final = calloc(2 * (size_t)count, sizeof *j->final);
-        j->poffset = calloc(2 * (size_t)count, sizeof *j->poffset);
-        j->pflags = calloc(2 * (size_t)count, sizeof *j->pflags);
-        if (!j->final || !j->poffset || !j->pflags) {
-            job_free(j);
-            return PyErr_NoMemory();
-        }
+    if (j->leaf && (j->final = calloc(2 * (size_t)count, sizeof *j->final)) == NULL) {
+        job_free(j);
+        return PyErr_NoMemory();
     }
     /* calloc: zero state, slot_gen 0 never equals a valid generation */
     j->slot_gen = calloc((size_t)count, sizeof *j->slot_gen);
@@ -599,7 +637,13 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     j->cnt = calloc(2 * (size_t)count, sizeof *j->cnt);
     j->exp = calloc(2 * (size_t)count, sizeof *j->exp);
     j->values = calloc(2 * (size_t)count * (size_t)k, sizeof *j->values);
-    if (!j->slot_gen || !j->bitmap || !j->cnt || !j->exp || !j->values) {
+    j->rcall = calloc(2 * (size_t)count, sizeof *j->rcall);
+    j->rtotal = calloc(2 * (size_t)count, sizeof *j->rtotal);
+    j->roffset = calloc(2 * (size_t)count, sizeof *j->roffset);
+    j->rflags = calloc(2 * (size_t)count, sizeof *j->rflags);
+    j->poison = calloc(2 * (size_t)count, sizeof *j->poison);
+    if (!j->slot_gen || !j->bitmap || !j->cnt || !j->exp || !j->values || !j->rcall || !j->rtotal ||
+        !j->roffset || !j->rflags || !j->poison) {
         job_free(j);
         return PyErr_NoMemory();
     }
@@ -845,9 +889,10 @@ static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
 
 static PyMethodDef Aggregator_methods[] = {
     {"add_job", (PyCFunction)(void (*)(void))Aggregator_add_job, METH_VARARGS | METH_KEYWORDS,
-     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs, upstream=None, leaf_index=0): install a "
-     "job; addrs[r] = (ip, port) of rank r. With upstream = the spine's (ip, port) the job is aggregated "
-     "here as leaf leaf_index: addrs[r] is None for ranks behind other leaves."},
+     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs, upstream=None, leaf_index=0, key=0): "
+     "install a job; addrs[r] = (ip, port) of rank r; key: the 32-bit result key every RESULT carries. With "
+     "upstream = the spine's (ip, port) the job is aggregated here as leaf leaf_index: addrs[r] is None for "
+     "ranks behind other leaves."},
     {"remove_job", (PyCFunction)Aggregator_remove_job, METH_VARARGS, "remove_job(job_id): uninstall a job."},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "Counters as a dict (see docs/PROTOCOL.md)."},
     {"run", (PyCFunction)(void (*)(void))Aggregator_run, METH_VARARGS | METH_KEYWORDS,

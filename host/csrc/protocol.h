@@ -5,15 +5,23 @@
 
 #include <stdint.h>
 
-#define SA_VERSION 1
+#define SA_VERSION 2
 #define SA_UDP_PORT 48879
 #define SA_MSG_DATA 1
 #define SA_MSG_RESULT 2
 #define SA_FLAG_PRIME 0x01
+#define SA_FLAG_FLOAT 0x02
+#define SA_FLAG_ABORT 0x04
+#define SA_FLAG_MISMATCH 0x08
+#define SA_IDENTITY_FLAGS (SA_FLAG_PRIME | SA_FLAG_FLOAT)
+#define SA_POISON_FLAGS (SA_FLAG_ABORT | SA_FLAG_MISMATCH)
+#define SA_MISMATCH_INFO_LEN 4
 #define SA_POOL_SET_BIT 0x8000
 #define SA_POOL_SLOT_MASK 0x7FFF
 #define SA_EXP_NONE (-128)
-#define SA_HEADER_LEN 16
+#define SA_EXP_TOP 126
+#define SA_EXP_NONFINITE 127
+#define SA_HEADER_LEN 28
 #define SA_MAX_WORKERS 32
 #define SA_P4_K 64
 #define SA_P4_NUM_SLOTS 1024
@@ -43,8 +51,11 @@ struct sa_header {
     uint16_t pool;
     uint16_t elems;
     uint32_t offset;
+    uint32_t call;  /* the job's call sequence number */
+    uint32_t total; /* elements in the call's tensor */
+    uint32_t key;   /* RESULT: the job's result key; DATA: 0 */
 } __attribute__((packed));
 
-_Static_assert(sizeof(struct sa_header) == SA_HEADER_LEN, "header must be 16 bytes");
+_Static_assert(sizeof(struct sa_header) == SA_HEADER_LEN, "header must be 28 bytes");
 
 #endif

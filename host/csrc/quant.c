@@ -20,7 +20,7 @@ static inline uint32_t bswap32(uint32_t v) {
 /* The largest float not above INT32_MAX / n: the clamp that keeps an n-way sum in int32. */
 static inline float sa_limit(int n) { return nextafterf((float)(2147483647.0 / (double)n), 0.0f); }
 
-SA_HOT int sa_block_exponent(const float *x, size_t len, int8_t *e, size_t *bad_index) {
+SA_HOT int8_t sa_block_exponent(const float *x, size_t len) {
     /* For non-negative floats the bit pattern orders like the value, and NaN/Inf sort above all
      * finite values, so one integer max finds both the magnitude and any non-finite element. */
     const uint32_t *bits = (const uint32_t *)x;
@@ -29,26 +29,48 @@ SA_HOT int sa_block_exponent(const float *x, size_t len, int8_t *e, size_t *bad_
         uint32_t a = bits[i] & 0x7fffffffu;
         m = a > m ? a : m;
     }
-    if (m == 0) {
-        *e = SA_EXP_NONE;
-        return 0;
-    }
-    if (m > 0x7f000000u) { /* above 2^127, Inf or NaN */
-        for (size_t i = 0; i < len; i++)
-            if ((bits[i] & 0x7fffffffu) > 0x7f000000u) {
-                *bad_index = i;
-                break;
-            }
-        return -1;
-    }
+    if (m == 0) return SA_EXP_NONE;
+    if (m >= 0x7f800000u) return SA_EXP_NONFINITE;
     float mf;
     memcpy(&mf, &m, sizeof mf);
     int ex;
     float frac = frexpf(mf, &ex); /* mf = frac * 2^ex, frac in [0.5, 1) */
     if (frac == 0.5f) ex -= 1;    /* an exact power of two needs no extra bit: 2^(ex-1) >= mf */
     if (ex < -126) ex = -126;
-    *e = (int8_t)ex;
-    return 0;
+    if (ex > SA_EXP_TOP) ex = SA_EXP_TOP; /* EXP_TOP stands for 2^128, above every finite float */
+    return (int8_t)ex;
+}
+
+/* The E of an exponent field: the field itself, EXP_TOP stands for 128. */
+static inline int exp_value(int e_field) { return e_field >= SA_EXP_TOP ? 128 : e_field; }
+
+/* Non-finite blocks: each rank sends a class count per element; sums of n <= 32 fit 8 bits each. */
+#define NF_POS 1u
+#define NF_NEG (1u << 8)
+#define NF_NAN (1u << 16)
+
+static void quantize_nonfinite(const float *x, size_t len, size_t k, uint32_t *out_be) {
+    for (size_t i = 0; i < len; i++) {
+        uint32_t c = 0;
+        if (isnan(x[i]))
+            c = NF_NAN;
+        else if (isinf(x[i]))
+            c = x[i] > 0 ? NF_POS : NF_NEG;
+        out_be[i] = bswap32(c);
+    }
+    for (size_t i = len; i < k; i++) out_be[i] = 0;
+}
+
+static void dequantize_nonfinite(const uint32_t *in_be, size_t len, float *y) {
+    for (size_t i = 0; i < len; i++) {
+        uint32_t c = bswap32(in_be[i]), pos = c & 0xff, neg = (c >> 8) & 0xff, nan = (c >> 16) & 0xff;
+        /* IEEE's sum: NaN absorbs, +Inf + -Inf is NaN. A finite element of this block did not
+         * travel (its ranks sent class counts), so its sum is unknown: NaN as well. */
+        if (nan || (pos && neg) || !(pos || neg))
+            y[i] = NAN;
+        else
+            y[i] = pos ? INFINITY : -INFINITY;
+    }
 }
 
 SA_HOT void sa_quantize_be(const float *x, size_t len, size_t k, int e_max, int n, uint32_t *out_be) {
@@ -56,6 +78,11 @@ SA_HOT void sa_quantize_be(const float *x, size_t len, size_t k, int e_max, int 
         memset(out_be, 0, k * sizeof *out_be);
         return;
     }
+    if (e_max == SA_EXP_NONFINITE) {
+        quantize_nonfinite(x, len, k, out_be);
+        return;
+    }
+    e_max = exp_value(e_max);
     const float lim = sa_limit(n);
     /* f = lim * 2^-e_max; for e_max below -96 it overflows a float, so scale in two steps. */
     const float f1 = e_max >= -96 ? ldexpf(lim, -e_max) : ldexpf(1.0f, -e_max);
@@ -74,6 +101,11 @@ SA_HOT void sa_dequantize_be(const uint32_t *in_be, size_t len, int e_max, int n
         memset(y, 0, len * sizeof *y);
         return;
     }
+    if (e_max == SA_EXP_NONFINITE) {
+        dequantize_nonfinite(in_be, len, y);
+        return;
+    }
+    e_max = exp_value(e_max);
     const float inv = 1.0f / sa_limit(n);
     if (e_max >= -90) { /* then inv * 2^e_max is a normal float: one multiply per element */
         const float f = ldexpf(inv, e_max);
@@ -118,7 +150,7 @@ static int get_u32(PyObject *obj, Py_buffer *view, int writable) {
 }
 
 /* quantize(x, q, exps, n, k): per block of k, local exponent into exps (int8 buffer of
- * ceil(len/k)) and big-endian q (len rounded up to k). Returns None; ValueError on NaN/Inf. */
+ * ceil(len/k)) and big-endian q (len rounded up to k). A block with NaN/Inf gets EXP_NONFINITE. */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     PyObject *xo, *qo, *eo;
     int n, k;
@@ -140,19 +172,13 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     }
     size_t len = (size_t)x.len / 4, blocks = (len + (size_t)k - 1) / (size_t)k;
     int rc = 0;
-    size_t bad = 0;
     if ((size_t)q.len < blocks * (size_t)k * 4 || (size_t)e.len < blocks) {
         rc = -2;
     } else {
         Py_BEGIN_ALLOW_THREADS;
-        for (size_t b = 0; b < blocks && rc == 0; b++) {
+        for (size_t b = 0; b < blocks; b++) {
             size_t off = b * (size_t)k, l = len - off < (size_t)k ? len - off : (size_t)k;
-            int8_t ex;
-            if (sa_block_exponent((const float *)x.buf + off, l, &ex, &bad) < 0) {
-                bad += off;
-                rc = -1;
-                break;
-            }
+            int8_t ex = sa_block_exponent((const float *)x.buf + off, l);
             ((int8_t *)e.buf)[b] = ex;
             sa_quantize_be((const float *)x.buf + off, l, (size_t)k, ex, n, (uint32_t *)q.buf + off);
         }
@@ -161,7 +187,6 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     PyBuffer_Release(&x);
     PyBuffer_Release(&q);
     PyBuffer_Release(&e);
-    if (rc == -1) return PyErr_Format(PyExc_ValueError, "element %zu is NaN, infinite or above 2^127", bad);
     if (rc == -2) return PyErr_Format(PyExc_ValueError, "output buffers are too small for %zu blocks", blocks);
     Py_RETURN_NONE;
 }

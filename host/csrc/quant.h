@@ -6,11 +6,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Exponent e of a block with 2^e >= max|x| (SA_EXP_NONE for an all-zero block).
- * Returns 0, or -1 if the block holds NaN, Inf or a magnitude above 2^127 (then *bad_index is set). */
-int sa_block_exponent(const float *x, size_t len, int8_t *e, size_t *bad_index);
+/* Exponent field of a block: the smallest e with 2^e >= max|x|, clamped to [-126, SA_EXP_TOP]
+ * (SA_EXP_TOP stands for 2^128); SA_EXP_NONE for an all-zero block, SA_EXP_NONFINITE if it holds
+ * NaN or +-Inf. */
+int8_t sa_block_exponent(const float *x, size_t len);
 
-/* q = round(x * f) clamped to INT32_MAX/n, written big-endian; out is zero-padded up to k. */
+/* q = round(x * f) clamped to INT32_MAX/n, written big-endian; out is zero-padded up to k. For
+ * e_max == SA_EXP_NONFINITE, per element the class count of docs/PROTOCOL.md instead. */
 void sa_quantize_be(const float *x, size_t len, size_t k, int e_max, int n, uint32_t *out_be);
 
 /* y = q / f from a big-endian block. */

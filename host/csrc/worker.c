@@ -26,7 +26,7 @@
 #define BATCH 64
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 
-enum { SLOT_PRIME, SLOT_DATA, SLOT_DONE };
+enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };
 
 typedef struct {
     int64_t chunk;     /* chunk index this slot currently carries */
@@ -47,9 +47,12 @@ typedef struct {
     struct sockaddr_in local;
     int configured;
     int broken; /* a failed allreduce leaves peers' slot state unknown: refuse further use */
+    char why_broken[512];
     int busy;
     /* job */
     uint16_t job, rank;
+    uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
+    uint32_t call; /* the call sequence number of the latest allreduce (the next one is call + 1) */
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
@@ -61,7 +64,7 @@ typedef struct {
     uint64_t rto_ns, rto_max_ns, timeout_ns;
     uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across allreduces */
     /* statistics */
-    unsigned long long sent, retransmits, fast_retransmits, results, stale, allreduces, bytes;
+    unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
 } Worker;
 
 static PyObject *SwitchaggError, *SwitchaggTimeout;
@@ -117,12 +120,13 @@ static size_t result_cost(size_t pkt_len) { return 2 * pkt_len + 1024; }
 
 static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"agg_host", "agg_port", "job", "rank", "n", "slot_base", "slot_count", "k",
-                             "rto", "rto_max", "timeout", NULL};
+                             "rto", "rto_max", "timeout", "key", NULL};
     const char *host;
     int port, job, rank, n, base, count, k;
     double rto = 0.05, rto_max = 1.0, timeout = 10.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "siiiiiii|ddd", kwlist, &host, &port, &job, &rank, &n, &base,
-                                     &count, &k, &rto, &rto_max, &timeout))
+    long long key = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siiiiiii|dddL", kwlist, &host, &port, &job, &rank, &n, &base,
+                                     &count, &k, &rto, &rto_max, &timeout, &key))
         return NULL;
     if (w->busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
     if (job < 0 || job > 0xffff) return PyErr_Format(PyExc_ValueError, "job id %d is not 16-bit", job);
@@ -131,8 +135,9 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     if (count < 1 || base < 0 || base + count > SA_POOL_SLOT_MASK + 1)
         return PyErr_Format(PyExc_ValueError, "slot range %d+%d outside 0..32767", base, count);
     if (k < 1 || k > SA_MAX_K) return PyErr_Format(PyExc_ValueError, "k=%d not in 1..%d", k, SA_MAX_K);
-    if (!(rto > 0 && rto_max >= rto && timeout > 0))
-        return PyErr_Format(PyExc_ValueError, "need 0 < rto <= rto_max and timeout > 0");
+    if (!(rto > 0 && rto_max >= rto && timeout > 0 && timeout < 1e9 && rto_max < 1e9))
+        return PyErr_Format(PyExc_ValueError, "need 0 < rto <= rto_max and 0 < timeout, finite");
+    if (key < 0 || key > 0xFFFFFFFFll) return PyErr_Format(PyExc_ValueError, "key %lld is not 32-bit unsigned", key);
     struct sockaddr_in agg = {0};
     agg.sin_family = AF_INET;
     agg.sin_port = htons((uint16_t)port);
@@ -151,6 +156,8 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     }
     w->job = (uint16_t)job;
     w->rank = (uint16_t)rank;
+    w->key = (uint32_t)key;
+    w->call = 0;
     w->n = n;
     w->slot_base = base;
     w->slot_count = count;
@@ -178,18 +185,20 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
 typedef struct {
     Worker *w;
     char kind; /* 'f' or 'i' */
+    uint32_t call;   /* this call's sequence number */
+    struct sa_header poisoned;                 /* the poisoned RESULT that ended the call */
+    uint32_t poison_info[SA_MISMATCH_INFO_LEN]; /* its payload: who differed */
     void *data;
     size_t len, chunks;
     int8_t *exp_local, *exp_max; /* per chunk */
     slot_t *slots;
     size_t active, done;
     size_t outstanding; /* sent and unanswered, at most w->window */
-    size_t bad_index;
     uint64_t seq;         /* first transmissions so far (resends keep their packet's place) */
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
 } run_t;
 
-enum { RUN_OK = 0, RUN_NONFINITE, RUN_TIMEOUT, RUN_OSERROR, RUN_NOMEM };
+enum { RUN_OK = 0, RUN_POISONED, RUN_TIMEOUT, RUN_OSERROR, RUN_NOMEM };
 
 static inline size_t chunk_len(const run_t *r, int64_t c) {
     size_t off = (size_t)c * (size_t)r->w->k;
@@ -212,13 +221,25 @@ static void build_packet(run_t *r, size_t i) {
     h->pool = htons((uint16_t)((w->sets[i] ? SA_POOL_SET_BIT : 0) | (uint16_t)(w->slot_base + (int)i)));
     h->elems = htons((uint16_t)w->k);
     h->offset = htonl((uint32_t)((size_t)c * (size_t)w->k));
+    h->call = htonl(r->call);
+    h->total = htonl((uint32_t)r->len);
+    h->key = 0;
+    uint8_t kind_flag = r->kind == 'f' ? SA_FLAG_FLOAT : 0;
+    if (s->phase == SLOT_ABORT) { /* its payload says who gave up on which call */
+        h->flags = SA_FLAG_ABORT | kind_flag;
+        h->exp = SA_EXP_NONE;
+        memset(payload, 0, 4 * (size_t)w->k);
+        uint32_t info[SA_MISMATCH_INFO_LEN] = {w->rank, r->call, (uint32_t)r->len, h->flags};
+        for (size_t e = 0; e < SA_MISMATCH_INFO_LEN && e < (size_t)w->k; e++) payload[e] = htonl(info[e]);
+        return;
+    }
     if (s->phase == SLOT_PRIME) {
-        h->flags = SA_FLAG_PRIME;
+        h->flags = SA_FLAG_PRIME | kind_flag;
         h->exp = r->exp_local[c];
         memset(payload, 0, 4 * (size_t)w->k);
         return;
     }
-    h->flags = 0;
+    h->flags = kind_flag;
     size_t off = (size_t)c * (size_t)w->k, l = chunk_len(r, c);
     if (r->kind == 'f') {
         h->exp = (size_t)next < r->chunks ? r->exp_local[next] : SA_EXP_NONE;
@@ -291,6 +312,11 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
+    if (s->phase == SLOT_ABORT) {
+        s->phase = SLOT_DONE;
+        r->done++;
+        return 0;
+    }
     if (s->phase == SLOT_PRIME) {
         r->exp_max[c] = h->exp;
         s->phase = SLOT_DATA;
@@ -385,27 +411,39 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     return nout;
 }
 
-/* Is this datagram the answer to slot's outstanding request? Returns the slot index or -1. */
-static long match_result(run_t *r, const uint8_t *pkt, size_t len) {
+/* Is this datagram the answer to slot's outstanding request? Returns the slot index, or -1 (not an
+ * answer: stale, duplicate, or not from the job's aggregator). A poisoned RESULT answers the slot's
+ * round whatever its identity: the round's contributions differed, so its identity is not ours. */
+static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned) {
     Worker *w = r->w;
     const struct sa_header *h = (const struct sa_header *)pkt;
     if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
         ntohs(h->rank) != w->rank || ntohs(h->elems) != w->k)
         return -1;
+    if (ntohl(h->key) != w->key) { /* only the job's aggregator knows the key: never use this payload */
+        w->bad_key++;
+        return -1;
+    }
     uint16_t pool = ntohs(h->pool);
     long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
     if (i < 0 || (size_t)i >= r->active) return -1;
     const slot_t *s = &r->slots[i];
     if (s->phase == SLOT_DONE || s->queued || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != w->sets[i]) return -1;
+    *poisoned = (h->flags & SA_POISON_FLAGS) != 0;
+    if (*poisoned) return i;
     if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * (size_t)w->k)) return -1;
-    if ((h->flags & SA_FLAG_PRIME) != (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0)) return -1;
+    if (ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len) return -1;
+    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0);
+    if ((h->flags & SA_IDENTITY_FLAGS) != want) return -1;
     return i;
 }
 
-static int run_allreduce(run_t *r) {
+/* One call: an allreduce of r->len elements, or (abort) one ABORT packet on chunk 0's slot, sent
+ * until the round it poisons comes back, so that every peer in the call fails it too. */
+static int run_call(run_t *r, int abort) {
     Worker *w = r->w;
     size_t K = (size_t)w->k;
-    r->chunks = (r->len + K - 1) / K;
+    r->chunks = abort ? 1 : (r->len + K - 1) / K;
     if (r->chunks == 0) return RUN_OK;
     r->active = r->chunks < (size_t)w->slot_count ? r->chunks : (size_t)w->slot_count;
     r->slots = calloc(r->active, sizeof *r->slots);
@@ -419,20 +457,13 @@ static int run_allreduce(run_t *r) {
         return RUN_NOMEM;
     }
     int rc = RUN_OK;
-    if (r->kind == 'f') /* all exponents first: bad input fails before any packet leaves */
-        for (size_t c = 0; c < r->chunks; c++) {
-            size_t bad;
-            if (sa_block_exponent((const float *)r->data + c * K, chunk_len(r, (int64_t)c), &r->exp_local[c],
-                                  &bad) < 0) {
-                r->bad_index = c * K + bad;
-                free(queue);
-                return RUN_NONFINITE;
-            }
-        }
+    if (r->kind == 'f' && !abort)
+        for (size_t c = 0; c < r->chunks; c++)
+            r->exp_local[c] = sa_block_exponent((const float *)r->data + c * K, chunk_len(r, (int64_t)c));
     uint64_t now = sa_now_ns();
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;
-        r->slots[i].phase = r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
+        r->slots[i].phase = abort ? SLOT_ABORT : r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
         r->slots[i].queued = 1;
         build_packet(r, i);
     }
@@ -467,13 +498,24 @@ static int run_allreduce(run_t *r) {
                 break;
             }
             now = sa_now_ns();
-            for (int j = 0; j < got; j++) {
+            for (int j = 0; j < got && rc == RUN_OK; j++) {
                 const uint8_t *pkt = w->rx + (size_t)j * w->pkt_len;
                 size_t len = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
-                long i = match_result(r, pkt, len);
+                int poisoned = 0;
+                long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
                     w->stale++;
                     continue;
+                }
+                if (poisoned) { /* the call failed on every rank: keep what says why */
+                    memcpy(&r->poisoned, pkt, sizeof r->poisoned);
+                    const uint32_t *info = (const uint32_t *)(pkt + SA_HEADER_LEN);
+                    for (size_t e = 0; e < SA_MISMATCH_INFO_LEN; e++)
+                        r->poison_info[e] = e < (size_t)w->k ? ntohl(info[e]) : 0;
+                    w->results++;
+                    w->sets[i] ^= 1;
+                    rc = RUN_POISONED;
+                    break;
                 }
                 w->results++;
                 last_progress = r->last_result = now;
@@ -481,6 +523,7 @@ static int run_allreduce(run_t *r) {
                 note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
             }
+            if (rc != RUN_OK) break;
             nq = release(r, now, queue, fast_retransmits(r, now, queue, 0));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
@@ -520,17 +563,88 @@ static int run_allreduce(run_t *r) {
     return rc;
 }
 
+static const char *kind_name(uint32_t flags) { return (flags & SA_FLAG_FLOAT) ? "float32" : "int32"; }
+
+/* Why a poisoned RESULT ended call r: what the aggregator saw differ, in words, into buf. */
+static void describe_poison(const run_t *r, char *buf, size_t size) {
+    const Worker *w = r->w;
+    const struct sa_header *h = &r->poisoned;
+    const uint32_t *info = r->poison_info; /* rank, call, total, flags of the contribution that differed */
+    uint32_t rcall = ntohl(h->call), rtotal = ntohl(h->total);
+    char mine[160];
+    snprintf(mine, sizeof mine, "this rank (%u) is at call %u with %u %s elements", w->rank, r->call,
+             (unsigned)r->len, r->kind == 'f' ? "float32" : "int32");
+    if (w->k < SA_MISMATCH_INFO_LEN)
+        snprintf(buf, size, "call %u of job %u failed on every rank: the contributions to one slot round "
+                 "differed in call identity or a rank aborted (K=%d is too small to say who); %s",
+                 r->call, w->job, w->k, mine);
+    else if (info[3] & SA_FLAG_ABORT)
+        snprintf(buf, size, "call %u of job %u failed on every rank: rank %u aborted its call %u (a local error "
+                 "on that rank, see its log); %s", r->call, w->job, info[0], info[1], mine);
+    else
+        snprintf(buf, size, "call %u of job %u failed on every rank: rank %u sent call %u with %u %s elements "
+                 "(offset %u%s) to a slot round that began with call %u with %u %s elements; %s", r->call, w->job,
+                 info[0], info[1], info[2], kind_name(info[3]), ntohl(h->offset),
+                 (info[3] & SA_FLAG_PRIME) ? ", exponent round" : "", rcall, rtotal, kind_name(h->flags), mine);
+}
+
+/* Run one call with the GIL released; on failure the worker is broken with the reason, which is raised. */
+static PyObject *finish_call(Worker *w, run_t *r, int abort) {
+    int rc;
+    w->busy = 1;
+    r->call = ++w->call;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = run_call(r, abort);
+    Py_END_ALLOW_THREADS;
+    w->busy = 0;
+    int err = errno;
+    free(r->slots);
+    free(r->exp_local);
+    free(r->exp_max);
+    char secs[32]; /* PyErr_Format has no %f */
+    snprintf(secs, sizeof secs, "%.1f", (double)w->timeout_ns / 1e9);
+    switch (rc) {
+    case RUN_OK:
+        if (!abort) w->allreduces++;
+        return Py_NewRef(Py_None);
+    case RUN_POISONED:
+        w->broken = 1;
+        describe_poison(r, w->why_broken, sizeof w->why_broken);
+        if (abort) return Py_NewRef(Py_None);
+        return PyErr_Format(SwitchaggError, "%s", w->why_broken);
+    case RUN_TIMEOUT:
+        w->broken = 1;
+        snprintf(w->why_broken, sizeof w->why_broken,
+                 "no result from the aggregator for %s s (job %u, rank %u, call %u, %zu of %zu slots done): "
+                 "a peer worker or the aggregator is gone", secs, w->job, w->rank, r->call, r->done, r->active);
+        if (abort) return Py_NewRef(Py_None);
+        return PyErr_Format(SwitchaggTimeout, "%s", w->why_broken);
+    case RUN_NOMEM:
+        return PyErr_NoMemory();
+    default:
+        w->broken = 1;
+        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r->call, strerror(err));
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
+static PyObject *check_usable(Worker *w) {
+    if (!w->configured) return PyErr_Format(SwitchaggError, "worker is not configured with a job");
+    if (w->broken)
+        return PyErr_Format(SwitchaggError, "an earlier call on this session failed, so its slots are out of step "
+                            "with its peers' (open a new session): %s", w->why_broken);
+    if (w->busy) return PyErr_Format(SwitchaggError, "another allreduce is running on this session");
+    return Py_None;
+}
+
 /* allreduce(buffer, kind): sum the buffer over all workers, in place. kind 'f' or 'i'. */
 static PyObject *worker_allreduce(Worker *w, PyObject *args) {
     PyObject *obj;
     int kind;
     if (!PyArg_ParseTuple(args, "OC", &obj, &kind)) return NULL;
-    if (!w->configured) return PyErr_Format(SwitchaggError, "worker is not configured with a job");
-    if (w->broken)
-        return PyErr_Format(SwitchaggError,
-                            "an earlier allreduce on this session failed; slot state is unknown, open a new session");
+    if (check_usable(w) == NULL) return NULL;
     if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
-    if (w->busy) return PyErr_Format(SwitchaggError, "another allreduce is running on this session");
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
     if (view.len % 4 != 0) {
@@ -542,47 +656,34 @@ static PyObject *worker_allreduce(Worker *w, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
     }
     run_t r = {.w = w, .kind = (char)kind, .data = view.buf, .len = (size_t)view.len / 4};
-    int rc;
-    w->busy = 1;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = run_allreduce(&r);
-    Py_END_ALLOW_THREADS;
-    w->busy = 0;
-    int err = errno;
-    free(r.slots);
-    free(r.exp_local);
-    free(r.exp_max);
+    PyObject *res = finish_call(w, &r, 0);
     PyBuffer_Release(&view);
-    switch (rc) {
-    case RUN_OK:
-        w->allreduces++;
-        Py_RETURN_NONE;
-    case RUN_NONFINITE:
-        return PyErr_Format(PyExc_ValueError,
-                            "tensor element %zu is NaN, infinite or above 2^127: refusing to allreduce it",
-                            r.bad_index);
-    case RUN_TIMEOUT: {
-        char secs[32]; /* PyErr_Format has no %f */
-        snprintf(secs, sizeof secs, "%.1f", (double)w->timeout_ns / 1e9);
+    return res;
+}
+
+/* abort(total, kind): give up the next call after a local error, so that every peer fails it too:
+ * one ABORT on chunk 0's slot, resent until its (poisoned) round completes or the timeout passes.
+ * The session is unusable afterwards, as are the peers'. */
+static PyObject *worker_abort(Worker *w, PyObject *args) {
+    unsigned long long total;
+    int kind;
+    if (!PyArg_ParseTuple(args, "KC", &total, &kind)) return NULL;
+    if (check_usable(w) == NULL) return NULL;
+    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
+    run_t r = {.w = w, .kind = (char)kind, .data = NULL, .len = total > UINT32_MAX ? UINT32_MAX : (size_t)total};
+    if (finish_call(w, &r, 1) == NULL) return NULL;
+    if (!w->broken) { /* one chunk and no peer: nothing came back poisoned, but peers may still come */
         w->broken = 1;
-        return PyErr_Format(SwitchaggTimeout,
-                            "no result from the aggregator for %s s (job %u, rank %u, %zu of %zu slots done): "
-                            "a peer worker or the aggregator is gone",
-                            secs, w->job, w->rank, r.done, r.active);
+        snprintf(w->why_broken, sizeof w->why_broken, "this rank aborted call %u", r.call);
     }
-    case RUN_NOMEM:
-        return PyErr_NoMemory();
-    default:
-        w->broken = 1;
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *worker_stats(Worker *w, PyObject *unused) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "sent", w->sent, "retransmits", w->retransmits,
-                         "fast_retransmits", w->fast_retransmits, "results", w->results, "stale", w->stale,
-                         "allreduces", w->allreduces, "bytes_sent", w->bytes);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", w->sent, "retransmits",
+                         w->retransmits, "fast_retransmits", w->fast_retransmits, "results", w->results, "stale",
+                         w->stale, "bad_key", w->bad_key, "allreduces", w->allreduces, "bytes_sent", w->bytes,
+                         "call", w->call);
 }
 
 static PyObject *worker_close(Worker *w, PyObject *unused) {
@@ -612,8 +713,11 @@ static PyObject *worker_rcvbuf_needed(Worker *w, void *unused) {
 
 static PyMethodDef worker_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0)"},
+     "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0, "
+     "key=0)"},
     {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS, "allreduce(buffer, kind): in-place sum, GIL released."},
+    {"abort", (PyCFunction)worker_abort, METH_VARARGS,
+     "abort(total, kind): give up the next call after a local error; every peer fails that call too."},
     {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
     {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
     {NULL, NULL, 0, NULL},

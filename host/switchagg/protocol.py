@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-VERSION = 1
+VERSION = 2  # 2: call identity (call, total) and the result key in the header
 UDP_PORT = 48879  # 0xBEEF
 
 MSG_DATA = 1  # worker -> aggregator: a contribution
@@ -18,22 +18,47 @@ MSG_RESULT = 2  # aggregator -> worker: the finished sum of a slot
 MSG_NAMES = {MSG_DATA: "DATA", MSG_RESULT: "RESULT"}
 
 FLAG_PRIME = 0x01  # payload is zero; the packet only carries an exponent ahead
-FLAG_NAMES = {FLAG_PRIME: "PRIME"}
+FLAG_FLOAT = 0x02  # the payload is quantized float32 (clear: int32); part of the call's identity
+FLAG_ABORT = 0x04  # DATA: the sender abandons this call; RESULT: a contribution to the round did
+FLAG_MISMATCH = 0x08  # RESULT: the round's contributions differ in call identity (payload: who)
+FLAG_NAMES = {FLAG_PRIME: "PRIME", FLAG_FLOAT: "FLOAT", FLAG_ABORT: "ABORT", FLAG_MISMATCH: "MISMATCH"}
+# A contribution's identity, compared within a slot round: (call, total, offset, flags & IDENTITY_FLAGS).
+IDENTITY_FLAGS = FLAG_PRIME | FLAG_FLOAT
+# A round that got a contribution with one of these, or contributions of different identity, is
+# poisoned: its RESULT carries them and no sum (docs/PROTOCOL.md, Call identity).
+POISON_FLAGS = FLAG_ABORT | FLAG_MISMATCH
+# The payload of a poisoned round: [rank, call, total, flags] of the contribution that differed.
+MISMATCH_INFO_LEN = 4
 
 POOL_SET_BIT = 0x8000  # top bit of the pool field: shadow set (0 or 1)
 POOL_SLOT_MASK = 0x7FFF  # low 15 bits: absolute slot index
 
 EXP_NONE = -128  # "no exponent": the block is all zero or no block follows
+EXP_TOP = 126  # the largest finite exponent field: it stands for E = 128 (blocks above 2^125)
+EXP_NONFINITE = 127  # the block holds NaN or +-Inf on some rank; the max over ranks keeps it
 
-HEADER_FORMAT = "!BBBbHHHHI"
-HEADER_FIELDS = ("version", "type", "flags", "exp", "job", "rank", "pool", "elems", "offset")  # in order
-HEADER_LEN = struct.calcsize(HEADER_FORMAT)  # 16
+HEADER_FORMAT = "!BBBbHHHHIIII"
+HEADER_FIELDS = (
+    "version",
+    "type",
+    "flags",
+    "exp",
+    "job",
+    "rank",
+    "pool",
+    "elems",
+    "offset",
+    "call",
+    "total",
+    "key",
+)  # in order
+HEADER_LEN = struct.calcsize(HEADER_FORMAT)  # 28
 
 MAX_WORKERS = 32  # worker bitmaps are 32 bits wide
 P4_K = 64  # elements per packet on the P4 switch (a compile-time constant there)
 P4_NUM_SLOTS = 1024  # slots in the P4 switch's pool (each with two shadow sets)
 MAX_UDP_PAYLOAD = 65507
-MAX_K = (MAX_UDP_PAYLOAD - HEADER_LEN) // 4  # 16372: largest K in one datagram
+MAX_K = (MAX_UDP_PAYLOAD - HEADER_LEN) // 4  # 16369: largest K in one datagram
 DEFAULT_SW_K = 16368  # software aggregator default: ~64 KiB datagrams, one skb each on loopback
 DEFAULT_SW_SLOTS = 16  # slots (= packets in flight per worker) per job, software
 
@@ -71,6 +96,9 @@ class Header:
     flags: int = 0
     version: int = VERSION
     elems: int = 0
+    call: int = 0
+    total: int = 0
+    key: int = 0
     values: list[int] = field(default_factory=list)
 
     def pack(self) -> bytes:
@@ -87,6 +115,9 @@ class Header:
             pool,
             elems,
             self.offset,
+            self.call,
+            self.total,
+            self.key,
         )
         return head + struct.pack(f"!{len(self.values)}i", *self.values)
 
@@ -94,7 +125,9 @@ class Header:
     def unpack(cls, data: bytes) -> Header:
         if len(data) < HEADER_LEN:
             raise ValueError(f"packet of {len(data)} bytes is shorter than the {HEADER_LEN}-byte header")
-        version, type_, flags, exp, job, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, data)
+        version, type_, flags, exp, job, rank, pool, elems, offset, call, total, key = struct.unpack_from(
+            HEADER_FORMAT, data
+        )
         body = data[HEADER_LEN:]
         n = len(body) // 4
         values = list(struct.unpack(f"!{n}i", body[: 4 * n]))
@@ -109,6 +142,9 @@ class Header:
             flags=flags,
             version=version,
             elems=elems,
+            call=call,
+            total=total,
+            key=key,
             values=values,
         )
 
@@ -118,6 +154,13 @@ def packet_len(k: int) -> int:
     return HEADER_LEN + 4 * k
 
 
+def exponent_value(e_field: int) -> int:
+    """The E an exponent stands for: itself up to 125; EXP_TOP and above (a frexp exponent of a block
+    above 2^125) mean 128."""
+    return 128 if e_field >= EXP_TOP else e_field
+
+
 def error_bound(n: int, e_max: int) -> float:
-    """Documented float32 bound on |result - exact sum| for one element (docs/PROTOCOL.md)."""
-    return float(n) * 2.0 ** (e_max - 22)
+    """Documented float32 bound on |result - exact sum| for one element (docs/PROTOCOL.md); e_max is
+    the block's exponent field (EXP_TOP stands for E = 128)."""
+    return float(n) * 2.0 ** (exponent_value(e_max) - 22)

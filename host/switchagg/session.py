@@ -60,6 +60,7 @@ class Session:
         rto_max: float = 1.0,
         rcvbuf: int = 0,
         metrics_port: int | None = None,
+        key: int = 0,
         _worker: _core.Worker | None = None,
     ) -> None:
         """``rcvbuf``: the socket's receive buffer in bytes (0: as large as the system allows); a
@@ -68,7 +69,11 @@ class Session:
         ``metrics_port``: serve this process's worker metrics for Prometheus on this port (0: a
         free one, see ``metrics_address``); None: the port $SWITCHAGG_METRICS_PORT names (plus
         $LOCAL_RANK, so that torchrun's ranks on one host do not collide), if set. Bound to
-        $SWITCHAGG_METRICS_HOST, default 127.0.0.1. Needs ``pip install switchagg[metrics]``."""
+        $SWITCHAGG_METRICS_HOST, default 127.0.0.1. Needs ``pip install switchagg[metrics]``.
+
+        ``key``: the job's 32-bit result key, as installed on its aggregator (the job service and the
+        torch backend hand it out): only RESULTs that carry it are used. 0 on both sides for a job
+        set up by hand without one (docs/PROTOCOL.md, Security)."""
         self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1], rcvbuf)
         self._worker.configure(
             aggregator[0],
@@ -82,6 +87,7 @@ class Session:
             rto=rto,
             rto_max=rto_max,
             timeout=timeout,
+            key=key,
         )
         if self._worker.window < slot_count:
             warnings.warn(
@@ -191,29 +197,65 @@ class Session:
         return address
 
     def allreduce(self, tensor: Any) -> None:
-        """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly)."""
-        array = _as_array(tensor)
+        """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly).
+
+        Every call is numbered; the aggregator sums only contributions of the same call (number,
+        length, dtype). A call that differs from its peers', or that this rank cannot make (a bad
+        argument), fails on every rank with an error that says what differed, and the job's
+        sessions cannot be used again (docs/PROTOCOL.md, Call identity)."""
         if self._closed:
             raise _core.SwitchaggError("the session is closed")
+        array = self._checked(tensor)
         with self._lock:
-            if self._metrics is None:
-                self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
-                return
-            t0 = time.perf_counter()
-            try:
-                self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
-            except _core.SwitchaggTimeout:
-                self._metrics.timed_out(self)
-                raise
-            self._metrics.observe(self, time.perf_counter() - t0, array.nbytes)
+            self._reduce(array)
+
+    def _checked(self, tensor: Any) -> np.ndarray:
+        """``tensor`` as an array, or the call aborted on every rank and the argument error raised."""
+        try:
+            return _as_array(tensor)
+        except TypeError as exc:
+            with self._lock:
+                self._abort(tensor)
+            raise TypeError(f"{exc} (this call was aborted on every rank of job {self.job})") from None
+
+    def _abort(self, tensor: Any) -> None:
+        """Give up this call so that every peer fails it too, not pair with this rank's next call."""
+        numel = getattr(tensor, "numel", None)  # torch; numpy has .size
+        total = numel() if callable(numel) else getattr(tensor, "size", 0)
+        kind = "i" if "int" in str(getattr(tensor, "dtype", "")) else "f"
+        try:
+            self._worker.abort(int(total or 0), kind)
+        except _core.SwitchaggError:
+            pass  # broken already: the peers failed an earlier call
+
+    def _reduce(self, array: np.ndarray) -> None:
+        if self._metrics is None:
+            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+            return
+        t0 = time.perf_counter()
+        try:
+            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+        except _core.SwitchaggTimeout:
+            self._metrics.timed_out(self)
+            raise
+        self._metrics.observe(self, time.perf_counter() - t0, array.nbytes)
 
     def allreduce_async(self, tensor: Any) -> concurrent.futures.Future[None]:
-        array = _as_array(tensor)  # type errors surface now, not in the future
         if self._closed:
             raise _core.SwitchaggError("the session is closed")
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="switchagg")
-        return self._executor.submit(self.allreduce, array)
+        try:
+            array = _as_array(tensor)  # type errors surface now, not in the future
+        except TypeError as exc:
+            # The abort takes this call's place in line, after the calls queued before it.
+            self._executor.submit(self._checked, tensor)
+            raise TypeError(f"{exc} (this call is aborted on every rank of job {self.job})") from None
+        return self._executor.submit(self._locked_reduce, array)
+
+    def _locked_reduce(self, array: np.ndarray) -> None:
+        with self._lock:
+            self._reduce(array)
 
     def stats(self) -> dict[str, int]:
         stats: dict[str, int] = self._worker.stats()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -103,7 +104,6 @@ def test_bad_join_requests(controller: Controller) -> None:
         (dict(world_size=33), "world size"),
         (dict(ip="10.0.0.300"), "not an IPv4 address"),
         (dict(ip="0.0.0.0"), "join with the worker's own address"),
-        (dict(rank=5), "outside 0..1"),
         (dict(job_name=""), "job name"),
     ]
     for change, message in cases:
@@ -112,6 +112,64 @@ def test_bad_join_requests(controller: Controller) -> None:
         with pytest.raises(jobclient.JobServiceError, match=message) as e:
             jobclient.join(controller.address, SECRET, timeout=5, **args)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_join_refuses_bad_ranks_and_timeouts(controller: Controller) -> None:
+    """Through a raw stub (jobclient.join refuses these before sending): only -1 means any rank,
+    and the join timeout is a positive finite number (0, i.e. unset: the server's default)."""
+    from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(rank=-5), r"rank -5 is outside 0\.\.1"),
+        (dict(rank=-2), r"rank -2 is outside 0\.\.1"),
+        (dict(rank=-(2**31)), "outside 0..1"),
+        (dict(rank=2), r"rank 2 is outside 0\.\.1"),
+        (dict(rank=5), "outside 0..1"),
+        (dict(timeout_s=float("nan")), "positive finite number of seconds, not nan"),
+        (dict(timeout_s=float("inf")), "positive finite number of seconds, not inf"),
+        (dict(timeout_s=float("-inf")), "not -inf"),
+        (dict(timeout_s=-1.0), "positive finite number of seconds, not -1"),
+        (dict(timeout_s=-1e-9), "positive finite"),
+    ]
+    with grpc.insecure_channel(controller.address) as channel:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        for change, message in cases:
+            fields: dict[str, Any] = dict(
+                secret=SECRET,
+                job_name="bad",
+                world_size=2,
+                ip="127.0.0.1",
+                udp_port=40003,
+                rank=-1,
+                timeout_s=5.0,
+            )
+            fields.update(change)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Join(jobs_pb2.JoinRequest(**fields), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
+            assert re.search(message, e.value.details()), (change, e.value.details())
+        # A refused join left nothing behind; a good one still works (world size 1, rank -1: any).
+        assert "bad" not in controller.ctl("jobs", *controller.client_args()).stdout
+        ok = jobs_pb2.JoinRequest(
+            secret=SECRET,
+            job_name="fine",
+            world_size=1,
+            ip="127.0.0.1",
+            udp_port=40012,
+            rank=-1,
+            timeout_s=0.0,
+        )
+        assert stub.Join(ok, timeout=30).rank == 0  # timeout_s 0 (unset): the server's default
+
+
+def test_jobclient_join_checks_rank_and_timeout_before_sending() -> None:
+    unreachable = "127.0.0.1:1"  # nothing is sent: no service needed
+    for rank in (-1, -5, 2):
+        with pytest.raises(ValueError, match=f"rank {rank} is outside 0..1"):
+            jobclient.join(unreachable, SECRET, "j", 2, "127.0.0.1", 40013, rank=rank)
+    for timeout in (float("nan"), float("inf"), 0.0, -3.0):
+        with pytest.raises(ValueError, match="positive finite number of seconds"):
+            jobclient.join(unreachable, SECRET, "j", 2, "127.0.0.1", 40013, timeout=timeout)
 
 
 def test_heartbeat_teardown_and_counters(controller: Controller) -> None:

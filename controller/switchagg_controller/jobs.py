@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -152,8 +153,8 @@ class JobManager:
     ) -> Assignment:
         """Waits until the job is complete and installed. A caller cancelled while the others are
         still missing (the worker gave up) is dropped from the job."""
-        self._check_join(name, world_size, ip, udp_port, rank)
-        wait = self.join_timeout if not timeout or timeout <= 0 else min(timeout, self.join_timeout)
+        self._check_join(name, world_size, ip, udp_port, rank, timeout)
+        wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
         for active in self._active.values():
             job = active.record.job
             if job.name != name:
@@ -217,7 +218,9 @@ class JobManager:
             del self._pending[pending.name]
 
     @staticmethod
-    def _check_join(name: str, world_size: int, ip: str, udp_port: int, rank: int | None) -> None:
+    def _check_join(
+        name: str, world_size: int, ip: str, udp_port: int, rank: int | None, timeout: float | None
+    ) -> None:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not name or len(name) > 200:
             raise JobError(bad, "the job name must be 1..200 characters")
@@ -232,7 +235,12 @@ class JobManager:
         if not 1 <= udp_port <= 65535:
             raise JobError(bad, f"UDP port must be 1..65535, not {udp_port}")
         if rank is not None and not 0 <= rank < world_size:
-            raise JobError(bad, f"rank {rank} is outside 0..{world_size - 1}")
+            raise JobError(bad, f"rank {rank} is outside 0..{world_size - 1} (-1 asks for any free rank)")
+        # None or 0 (a JoinRequest without timeout_s): the server's join timeout.
+        if timeout is not None and timeout != 0 and not 0 < timeout < math.inf:
+            raise JobError(
+                bad, f"the join timeout must be a positive finite number of seconds, not {timeout}"
+            )
 
     @staticmethod
     def _check_member(pending: _Pending, world_size: int, ip: str, udp_port: int, rank: int | None) -> None:

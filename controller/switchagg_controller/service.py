@@ -21,6 +21,8 @@ from switchagg_controller.jobs import JobError, JobManager
 log = logging.getLogger("switchagg.service")
 
 
+ANY_RANK = -1  # JoinRequest.rank for "any rank" (jobs.proto)
+
 JoinObserver = Callable[[float, str], None]  # (seconds from call to answer, outcome: "ok" or a status)
 
 
@@ -52,7 +54,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 request.world_size,
                 request.ip,
                 request.udp_port,
-                None if request.rank < 0 else request.rank,
+                None if request.rank == ANY_RANK else request.rank,  # other negatives are refused
                 request.timeout_s,
             )
         except JobError as e:

@@ -68,7 +68,14 @@ def join(
     rank: int | None = None,
     timeout: float = 60.0,
 ) -> Assignment:
-    """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed."""
+    """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed.
+
+    ``rank``: None for any free rank, else 0..world_size-1; ``timeout``: positive seconds
+    (ValueError otherwise; the service checks everything else and answers INVALID_ARGUMENT)."""
+    if rank is not None and not 0 <= rank < max(world_size, 1):
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (None asks for any free rank)")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"the join timeout must be a positive finite number of seconds, not {timeout}")
     request = jobs_pb2.JoinRequest(
         secret=secret,
         job_name=job_name,

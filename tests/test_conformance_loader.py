@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from switchagg.conformance import Install, Remove, Send, VectorError, load_vector, load_vectors, parse_vector
-from switchagg.protocol import MSG_RESULT, Header
+from switchagg.protocol import HEADER_LEN, MSG_RESULT, Header
 
 K = 4
 
@@ -57,8 +57,9 @@ def test_packets_are_built_from_the_spec() -> None:
     sent, remove, install = v.steps
     assert isinstance(sent, Send) and isinstance(remove, Remove) and isinstance(install, Install)
     h = Header.unpack(sent.payload)
+    assert (h.call, h.total, h.key) == (1, 4096, 0)  # the defaults: one call, a DATA carries no key
     assert (h.version, h.type, h.job, h.rank, h.slot, h.shadow, h.offset, h.exp, h.elems) == (
-        1,
+        2,
         1,
         7,
         1,
@@ -73,6 +74,7 @@ def test_packets_are_built_from_the_spec() -> None:
     assert list(by_ep) == [1, 0]
     r0 = Header.unpack(by_ep[0][0])
     assert (r0.type, r0.rank, r0.flags, r0.exp, r0.values) == (MSG_RESULT, 0, 1, 2, [1, 2, 3, 4])
+    assert (r0.call, r0.total, r0.key) == (1, 4096, 0x5A5A0000 + 7)  # a RESULT carries the job's key
     assert Header.unpack(by_ep[1][0]).rank == 1
     assert v.endpoints == 4 and install.job.endpoints == (3,)
     assert remove.job_id == 7
@@ -80,11 +82,11 @@ def test_packets_are_built_from_the_spec() -> None:
 
 
 def test_overrides_make_malformed_packets() -> None:
-    steps = [send(elems=0), send(truncate=10), send(extra=3, version=2, type=2), send(job=8), send(rank=1)]
+    steps = [send(elems=0), send(truncate=10), send(extra=3, version=1, type=2), send(job=8), send(rank=1)]
     p = [s.payload for s in parse(vec(steps)).sends]
-    assert p[0][10:12] == b"\x00\x00" and len(p[0]) == 16 + 4 * K
+    assert p[0][10:12] == b"\x00\x00" and len(p[0]) == HEADER_LEN + 4 * K
     assert len(p[1]) == 10
-    assert (p[2][0], p[2][1], len(p[2])) == (2, 2, 16 + 4 * K + 3)
+    assert (p[2][0], p[2][1], len(p[2])) == (1, 2, HEADER_LEN + 4 * K + 3)
     assert Header.unpack(p[3]).rank == 0  # unknown job: the rank defaults to the endpoint
     assert Header.unpack(p[4]).rank == 1
 

@@ -29,13 +29,18 @@ from switchagg.conformance import (
 )
 from switchagg.protocol import (
     DROP_REASONS,
+    FLAG_MISMATCH,
     HEADER_FORMAT,
     HEADER_LEN,
+    IDENTITY_FLAGS,
+    MISMATCH_INFO_LEN,
     MSG_DATA,
     MSG_RESULT,
+    POISON_FLAGS,
     POOL_SET_BIT,
     POOL_SLOT_MASK,
     VERSION,
+    Header,
 )
 
 
@@ -47,8 +52,12 @@ class Slot:
     exp: list[int] = field(default_factory=lambda: [0, 0])
     value: list[list[int]] = field(default_factory=lambda: [[], []])
     final: list[bool] = field(default_factory=lambda: [False, False])  # leaf: the spine's result
-    offset: list[int] = field(default_factory=lambda: [0, 0])  # leaf: the partial's offset
-    flags: list[int] = field(default_factory=lambda: [0, 0])  # leaf: the partial's flags
+    # The round's identity (its first contribution's) and the poison it got.
+    call: list[int] = field(default_factory=lambda: [0, 0])
+    total: list[int] = field(default_factory=lambda: [0, 0])
+    offset: list[int] = field(default_factory=lambda: [0, 0])
+    flags: list[int] = field(default_factory=lambda: [0, 0])
+    poison: list[int] = field(default_factory=lambda: [0, 0])
 
 
 TWO_LEVEL = load_vectors(two_level_vector_dir())
@@ -83,7 +92,9 @@ class SwitchModel:
     def receive(self, endpoint: int, pkt: bytes) -> list[tuple[int, bytes]]:
         if len(pkt) < HEADER_LEN:
             return self._drop("truncated")
-        version, type_, flags, exp, job_id, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
+        version, type_, flags, exp, job_id, rank, pool, elems, offset, call, total, _ = struct.unpack_from(
+            HEADER_FORMAT, pkt
+        )
         if version != VERSION:
             return self._drop("bad_version")
         if type_ == MSG_RESULT:
@@ -106,7 +117,7 @@ class SwitchModel:
         c, slot, bit = self.counters[job_id], self.slots[i], 1 << rank
 
         def result(to_rank: int) -> tuple[int, bytes]:
-            return self._result(job, slot, s, to_rank, pkt)
+            return self._result(job, slot, i, s, to_rank)
 
         m = sum(e is not None for e in job.endpoints)  # contributions that complete the slot here
         if self.check_generation and slot.gen != job.generation:
@@ -115,13 +126,23 @@ class SwitchModel:
             first = slot.bitmap[s] == 0
             slot.bitmap[s] |= bit
             slot.bitmap[1 - s] &= ~bit
+            poison = flags & POISON_FLAGS
             if first:
                 slot.value[s], slot.exp[s], slot.count[s] = payload, exp, 1
                 slot.final[s], slot.offset[s], slot.flags[s] = False, offset, flags
+                slot.call[s], slot.total[s], slot.poison[s] = call, total, poison
             else:
-                slot.value[s] = [
-                    (a + b + 2**31) % 2**32 - 2**31 for a, b in zip(slot.value[s], payload, strict=True)
-                ]
+                ident = (call, total, offset, flags & IDENTITY_FLAGS)
+                if ident != (slot.call[s], slot.total[s], slot.offset[s], slot.flags[s] & IDENTITY_FLAGS):
+                    poison |= FLAG_MISMATCH
+                if not slot.poison[s] and poison:  # the payload says who differed
+                    info = payload if flags & POISON_FLAGS else [rank, call, total, flags]
+                    slot.value[s] = [_i32(v) for v in info[:MISMATCH_INFO_LEN]] + slot.value[s][
+                        MISMATCH_INFO_LEN:
+                    ]
+                elif not slot.poison[s]:
+                    slot.value[s] = [_i32(a + b) for a, b in zip(slot.value[s], payload, strict=True)]
+                slot.poison[s] |= poison
                 slot.exp[s] = max(slot.exp[s], exp)
                 slot.count[s] += 1
             c["aggregated"] += 1
@@ -143,28 +164,29 @@ class SwitchModel:
         c["retrans_ignored"] += 1
         return []
 
-    def _result(self, job: JobSpec, slot: Slot, s: int, to_rank: int, pkt: bytes) -> tuple[int, bytes]:
-        """RESULT(value[s]) to a local rank; the header of ``pkt`` (the DATA or the spine's RESULT)."""
-        version, _, flags, _, job_id, _, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
-        head = struct.pack(
-            HEADER_FORMAT, version, MSG_RESULT, flags, slot.exp[s], job_id, to_rank, pool, elems, offset
-        )
+    def _round(self, job: JobSpec, slot: Slot, i: int, s: int, type_: int, rank: int, key: int) -> bytes:
+        """Set s's state as a packet: the round's identity and poison, value and exponent."""
+        return Header(
+            job=job.id, rank=rank, slot=i, shadow=s, offset=slot.offset[s], exp=slot.exp[s], type=type_,
+            flags=slot.flags[s] | slot.poison[s], elems=self.k, call=slot.call[s], total=slot.total[s],
+            key=key, values=slot.value[s],
+        ).pack()  # fmt: skip
+
+    def _result(self, job: JobSpec, slot: Slot, i: int, s: int, to_rank: int) -> tuple[int, bytes]:
+        """RESULT(value[s]) to a local rank, with the job's key."""
         endpoint = job.endpoints[to_rank]
         assert endpoint is not None
-        return endpoint, head + struct.pack(f"!{self.k}i", *slot.value[s])
+        return endpoint, self._round(job, slot, i, s, MSG_RESULT, to_rank, job.key)
 
     def _partial(self, job: JobSpec, slot: Slot, i: int, s: int) -> tuple[int, bytes]:
-        """A leaf's DATA to its spine: rank = leaf index, the stored partial, offset and flags."""
-        pool = i | (POOL_SET_BIT if s else 0)
-        head = struct.pack(
-            HEADER_FORMAT, VERSION, MSG_DATA, slot.flags[s], slot.exp[s], job.id, job.leaf_index, pool,
-            self.k, slot.offset[s],
-        )  # fmt: skip
+        """A leaf's DATA to its spine: rank = leaf index, the stored partial and round identity."""
         assert job.upstream is not None
-        return job.upstream, head + struct.pack(f"!{self.k}i", *slot.value[s])
+        return job.upstream, self._round(job, slot, i, s, MSG_DATA, job.leaf_index, 0)
 
     def _receive_result(self, endpoint: int, pkt: bytes) -> list[tuple[int, bytes]]:
-        _, _, flags, exp, job_id, rank, pool, elems, offset = struct.unpack_from(HEADER_FORMAT, pkt)
+        _, _, flags, exp, job_id, rank, pool, elems, offset, call, total, key = struct.unpack_from(
+            HEADER_FORMAT, pkt
+        )
         job = self.jobs.get(job_id)
         if job is None or not job.leaf:
             return self._drop("bad_type")
@@ -180,13 +202,24 @@ class SwitchModel:
         slot, c = self.slots[i], self.counters[job_id]
         m = sum(e is not None for e in job.endpoints)
         waiting = slot.gen == job.generation and slot.count[s] == m and not slot.final[s]
-        if not waiting or offset != slot.offset[s] or flags != slot.flags[s]:
+        ours = (key, call, total, offset, flags & IDENTITY_FLAGS) == (
+            job.key,
+            slot.call[s],
+            slot.total[s],
+            slot.offset[s],
+            slot.flags[s] & IDENTITY_FLAGS,
+        )
+        if not waiting or not ours:
             c["stale_results"] += 1
             return []
         slot.value[s] = list(struct.unpack_from(f"!{self.k}i", pkt, HEADER_LEN))
-        slot.exp[s], slot.final[s] = exp, True
+        slot.exp[s], slot.final[s], slot.poison[s] = exp, True, flags & POISON_FLAGS
         c["multicast"] += 1
-        return [self._result(job, slot, s, r, pkt) for r, e in enumerate(job.endpoints) if e is not None]
+        return [self._result(job, slot, i, s, r) for r, e in enumerate(job.endpoints) if e is not None]
+
+
+def _i32(v: int) -> int:
+    return (v + 2**31) % 2**32 - 2**31
 
 
 def run_on_model(vector: Vector, model: SwitchModel) -> None:

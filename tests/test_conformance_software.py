@@ -46,7 +46,7 @@ def _install(agg: SoftwareAggregator, job: JobSpec, k: int, socks: list[socket.s
     upstream = None if job.upstream is None else socks[job.upstream].getsockname()
     agg.add_job(
         job.id, job.n, job.slot_base, job.slot_count, k, job.generation, addrs,
-        upstream=upstream, leaf_index=job.leaf_index,
+        upstream=upstream, leaf_index=job.leaf_index, key=job.key,
     )  # fmt: skip
 
 

@@ -21,6 +21,11 @@ def test_c_constants_match_protocol_py() -> None:
         "MSG_DATA",
         "MSG_RESULT",
         "FLAG_PRIME",
+        "FLAG_FLOAT",
+        "FLAG_ABORT",
+        "FLAG_MISMATCH",
+        "EXP_TOP",
+        "EXP_NONFINITE",
         "POOL_SET_BIT",
         "POOL_SLOT_MASK",
         "EXP_NONE",
@@ -43,13 +48,15 @@ def test_c_drop_enum_order_matches_protocol_py() -> None:
     assert tuple(names) == protocol.DROP_REASONS
 
 
-def test_header_layout_is_16_bytes_big_endian() -> None:
+def test_header_layout_is_28_bytes_big_endian() -> None:
     h = protocol.Header(
-        job=0x0102, rank=3, slot=5, shadow=1, offset=0x0A0B0C0D, exp=-2, flags=1, values=[1, -1]
-    )
+        job=0x0102, rank=3, slot=5, shadow=1, offset=0x0A0B0C0D, exp=-2, flags=1, values=[1, -1],
+        call=0x11121314, total=0x21222324, key=0x31323334,
+    )  # fmt: skip
     raw = h.pack()
-    assert raw[:16] == bytes([1, 1, 1, 0xFE, 1, 2, 0, 3, 0x80, 5, 0, 2, 0x0A, 0x0B, 0x0C, 0x0D])
-    assert raw[16:] == struct.pack("!ii", 1, -1)
+    assert raw[:16] == bytes([2, 1, 1, 0xFE, 1, 2, 0, 3, 0x80, 5, 0, 2, 0x0A, 0x0B, 0x0C, 0x0D])
+    assert raw[16:28] == bytes.fromhex("111213142122232431323334")
+    assert raw[28:] == struct.pack("!ii", 1, -1)
     assert protocol.Header.unpack(raw) == h.__class__(**{**h.__dict__, "elems": 2})
 
 
@@ -85,8 +92,9 @@ def test_p4_header_fields_match_protocol_layout() -> None:
     m = re.search(r"header\s+agg_t\s*\{(.*?)\}", text, re.S)
     assert m is not None, "p4/switchagg.p4 has no agg_t header"
     widths = [int(w) for w in re.findall(r"bit<(\d+)>", m.group(1))]
-    # version type flags exp job rank pool elems offset, as in protocol.HEADER_FORMAT
-    assert widths == [8, 8, 8, 8, 16, 16, 16, 16, 32]
+    names = re.findall(r"bit<\d+>\s+(\w+);", m.group(1))
+    assert names == list(protocol.HEADER_FIELDS)
+    assert widths == [8 * struct.calcsize("!" + c) for c in protocol.HEADER_FORMAT.lstrip("!")]
     assert sum(widths) // 8 == protocol.HEADER_LEN
 
 
@@ -103,6 +111,9 @@ def test_scapy_layer_matches_protocol_py() -> None:
     pytest.importorskip("scapy", reason="scapy is not installed")
     from switchagg.scapy_layer import Agg
 
-    h = protocol.Header(job=7, rank=2, slot=9, shadow=1, offset=640, exp=5, values=list(range(protocol.P4_K)))
+    h = protocol.Header(
+        job=7, rank=2, slot=9, shadow=1, offset=640, exp=5, values=list(range(protocol.P4_K)), call=9, total=77,
+        key=0xFEEDBEEF, flags=protocol.FLAG_FLOAT | protocol.FLAG_MISMATCH,
+    )  # fmt: skip
     assert bytes(Agg(h.pack())) == h.pack()
     assert len(bytes(Agg(elems=0))) == protocol.HEADER_LEN

@@ -74,12 +74,28 @@ def test_summed_blocks_dequantize_to_the_sum_within_the_n_way_bound() -> None:
     assert np.max(np.abs(y - exact)) <= protocol.error_bound(n, int(e.max()))
 
 
-def test_non_finite_and_huge_values_are_refused_with_their_index() -> None:
-    for bad in (np.nan, np.inf, -np.inf, np.float32(3e38)):
-        x = np.ones(300, np.float32)
-        x[123] = bad
-        with pytest.raises(ValueError, match="element 123 is NaN, infinite or above 2"):
-            quantize(x, 2)
+def test_non_finite_blocks_carry_class_counts_that_sum_as_ieee_does() -> None:
+    """A block with NaN/Inf: EXP_NONFINITE (the largest exponent, so the max over ranks keeps it);
+    each element is sent as a class count (+Inf 1, -Inf 2^8, NaN 2^16, finite 0), and a sum of
+    counts decodes to IEEE's sum: NaN absorbs, +Inf + -Inf = NaN, finite elements NaN."""
+    x = np.ones(2 * K, np.float32)
+    x[[1, 2, 3]] = [np.inf, -np.inf, np.nan]
+    q, e = quantize(x, 2)
+    assert list(e) == [protocol.EXP_NONFINITE, 0]
+    assert list(q[:5]) == [0, 1, 1 << 8, 1 << 16, 0]
+    sums = np.zeros(K, np.int32)
+    sums[[1, 2, 3, 4, 5]] = [2, 1 + (1 << 8), 2 << 8, (1 << 16) + 1, 0]
+    y = dequantize(sums, np.array([protocol.EXP_NONFINITE], np.int8), 2, K)
+    assert y[1] == np.inf and np.isnan(y[2]) and y[3] == -np.inf and np.isnan(y[4]) and np.isnan(y[5])
+
+
+def test_finite_values_up_to_float32_max_are_accepted() -> None:
+    x = np.full(K, 3.0e38, np.float32)
+    x[1] = -np.finfo(np.float32).max
+    q, e = quantize(x, 1)
+    assert e[0] == protocol.EXP_TOP
+    y = dequantize(q, e, 1, K)
+    assert np.all(np.abs(y.astype(np.float64) - x) <= protocol.error_bound(1, int(e[0])))
 
 
 def test_argument_checks() -> None:

@@ -106,6 +106,11 @@ SA_HOT void sa_dequantize_be(const uint32_t *in_be, size_t len, int e_max, int n
         return;
     }
     e_max = exp_value(e_max);
+    if (e_max == 128) { /* 2^128 is no float: scale in double, so FLT_MAX comes back as itself */
+        const double f = ldexp(1.0, 128) / (double)sa_limit(n);
+        for (size_t i = 0; i < len; i++) y[i] = (float)((double)(int32_t)bswap32(in_be[i]) * f);
+        return;
+    }
     const float inv = 1.0f / sa_limit(n);
     if (e_max >= -90) { /* then inv * 2^e_max is a normal float: one multiply per element */
         const float f = ldexpf(inv, e_max);

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ class InstalledJob:
     slot_count: int
     k: int
     name: str
+    key: int = 0  # the job's result key (0: unkeyed)
 
 
 class AggregatorHandle(Protocol):
@@ -77,6 +79,7 @@ class AggregatorHandle(Protocol):
         name: str = "",
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
+        key: int = 0,
     ) -> Any: ...
 
     def remove_job(self, job_id: int) -> Any: ...
@@ -167,9 +170,11 @@ class SoftwareAggregator:
         name: str = "",
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
+        key: int = 0,
     ) -> None:
         """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there.
-        ``name`` only labels the job's metrics.
+        ``name`` only labels the job's metrics. ``key``: the job's 32-bit result key, written into
+        every RESULT (its workers drop results without it; docs/PROTOCOL.md, Security).
 
         With ``upstream`` (the spine's address) the job is aggregated here as leaf ``leaf_index`` of
         a two-level job (docs/PROTOCOL.md, Two levels): ``n`` is the job's total, ``addrs[r]`` is
@@ -185,8 +190,9 @@ class SoftwareAggregator:
             list(addrs),
             upstream=upstream,
             leaf_index=leaf_index,
+            key=key,
         )
-        self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name)}
+        self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name, key)}
 
     def remove_job(self, job_id: int) -> None:
         self._agg.remove_job(job_id)
@@ -274,14 +280,26 @@ def format_counters(c: Counters) -> str:
     return "\n".join(lines)
 
 
-JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int] | None]]
-JOB_SYNTAX = "ID:N:BASE:COUNT:K[:GEN]@IP:PORT,IP:PORT,..."
+JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int] | None], int]
+JOB_SYNTAX = "ID:N:BASE:COUNT:K[:GEN[:KEY]]@IP:PORT,IP:PORT,..."
+MAX_KEY = 0xFFFFFFFF
+
+
+def new_key() -> int:
+    """A fresh result key for a job: random (``secrets``), 32 bits, non-zero (0 means unkeyed)."""
+    while True:
+        key = secrets.randbits(32)
+        if key:
+            return key
+
+
 LEAF_SYNTAX = "JOB:INDEX@IP:PORT"
 
 
 def parse_job(spec: str) -> JobSpec:
-    """ID:N:BASE:COUNT:K[:GEN]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation, addrs);
-    an ADDR ``-`` (None) is a rank behind another leaf."""
+    """ID:N:BASE:COUNT:K[:GEN[:KEY]]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation,
+    addrs, key); an ADDR ``-`` (None) is a rank behind another leaf. GEN defaults to 1, KEY (the
+    result key, decimal or 0x hex, 32 bits) to 0: unkeyed."""
     numbers, at, addr_list = spec.partition("@")
     if not at or not addr_list:
         raise argparse.ArgumentTypeError(
@@ -289,14 +307,18 @@ def parse_job(spec: str) -> JobSpec:
             f"({JOB_SYNTAX}); packets are accepted only from the addresses the job names"
         )
     parts = numbers.split(":")
-    if len(parts) not in (5, 6):
+    if len(parts) not in (5, 6, 7):
         raise argparse.ArgumentTypeError(f"--job {spec!r}: expected {JOB_SYNTAX}")
     try:
-        nums = [int(p) for p in parts]
+        nums = [int(p) for p in parts[:6]] + [int(p, 0) for p in parts[6:]]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--job {spec!r}: every field must be an integer") from None
     if len(nums) == 5:
         nums.append(1)
+    if len(nums) == 6:
+        nums.append(0)
+    if not 0 <= nums[6] <= MAX_KEY:
+        raise argparse.ArgumentTypeError(f"--job {spec!r}: KEY {parts[6]} is not a 32-bit unsigned number")
     addrs: list[tuple[str, int] | None] = []
     for item in addr_list.split(","):
         if item == "-":
@@ -310,7 +332,7 @@ def parse_job(spec: str) -> JobSpec:
         raise argparse.ArgumentTypeError(
             f"--job {spec!r}: {nums[1]} ranks but {len(addrs)} addresses (one per rank, in rank order)"
         )
-    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs)
+    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs, nums[6])
 
 
 def _ip_port(text: str, what: str) -> tuple[str, int]:
@@ -350,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar=JOB_SYNTAX,
         help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}@127.0.0.1:5000,"
-        "127.0.0.1:5001; GEN defaults to 1; rank r's packets are accepted only from the r-th address",
+        "127.0.0.1:5001; GEN defaults to 1; KEY is the job's result key (decimal or 0x hex, 32 bits), "
+        "written into every RESULT: workers given it (Session(key=...)) drop results without it; "
+        "it defaults to 0, unkeyed; rank r's packets are accepted only from the r-th address",
     )
     p.add_argument(
         "--leaf",
@@ -441,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(
                     f"job {job[0]} has ranks '-' (behind other leaves) but no --leaf {job[0]}:..."
                 )
-            agg.add_job(*job, name=names.get(job[0], ""), upstream=spine, leaf_index=index)
+            agg.add_job(*job[:7], name=names.get(job[0], ""), upstream=spine, leaf_index=index, key=job[7])
         if args.metrics_port is not None:
             metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
         if args.control is not None:

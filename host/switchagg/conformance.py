@@ -26,6 +26,7 @@ from switchagg.protocol import (
     HEADER_LEN,
     JOB_COUNTERS,
     LEAF_COUNTERS,
+    MAX_K,
     MAX_WORKERS,
     MSG_DATA,
     MSG_RESULT,
@@ -37,12 +38,28 @@ from switchagg.protocol import (
 INT32_MIN = -(2**31)
 _ELEMS_OFFSET = 10  # byte offset of the elems field in the header (docs/PROTOCOL.md)
 INT32_MAX = 2**31 - 1
+DEFAULT_CALL = 1  # a send's or expected result's call when the vector does not say
+DEFAULT_TOTAL = 4096  # ... and its call's length
+DEFAULT_KEY_BASE = 0x5A5A0000  # a job's result key when the vector does not say: this plus its id
 
 _VECTOR_KEYS = {"name", "description", "k", "endpoints", "jobs", "steps", "counters"}
-_JOB_KEYS = {"id", "n", "slot_base", "slot_count", "generation", "endpoints", "upstream", "leaf_index"}
-_SEND_KEYS = {"from", "job", "rank", "slot", "set", "offset", "exp", "flags", "values"}
+_JOB_KEYS = {"id", "n", "slot_base", "slot_count", "generation", "endpoints", "upstream", "leaf_index", "key"}
+_SEND_KEYS = {
+    "from",
+    "job",
+    "rank",
+    "slot",
+    "set",
+    "offset",
+    "exp",
+    "flags",
+    "values",
+    "call",
+    "total",
+    "key",
+}
 _OVERRIDE_KEYS = {"version", "type", "elems", "truncate", "extra"}
-_EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values"}
+_EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values", "call", "total"}
 
 
 class VectorError(ValueError):
@@ -62,6 +79,7 @@ class JobSpec:
     endpoints: tuple[int | None, ...]
     upstream: int | None = None
     leaf_index: int = 0
+    key: int = 0  # the result key every RESULT of the job carries
 
     def rank_of(self, endpoint: int) -> int | None:
         return self.endpoints.index(endpoint) if endpoint in self.endpoints else None
@@ -197,8 +215,9 @@ def _parse_job(obj: Any, where: str) -> JobSpec:
         raise VectorError(f"{where}: the upstream endpoint {upstream} also holds a rank")
     if upstream is None and "leaf_index" in o:
         raise VectorError(f"{where}: leaf_index without an upstream")
+    job_id = _int(o, "id", where, 0, 0xFFFF)
     return JobSpec(
-        id=_int(o, "id", where, 0, 0xFFFF),
+        id=job_id,
         n=n,
         slot_base=base,
         slot_count=count,
@@ -206,6 +225,7 @@ def _parse_job(obj: Any, where: str) -> JobSpec:
         endpoints=tuple(endpoints),
         upstream=upstream,
         leaf_index=_int(o, "leaf_index", where, 0, MAX_WORKERS - 1, 0),
+        key=_int(o, "key", where, 0, 2**32 - 1, DEFAULT_KEY_BASE + job_id),
     )
 
 
@@ -216,6 +236,10 @@ def _build_send(o: Mapping[str, Any], k: int, jobs: Mapping[int, JobSpec], where
     own_rank = job.rank_of(endpoint) if job else None
     if job is not None and endpoint == job.upstream:
         own_rank = job.leaf_index  # the spine addresses the leaf by its rank at the spine
+    msg_type = _int(o, "type", where, 0, 255, MSG_DATA)
+    # The spine's RESULT carries the job's key (the same on every level); anything else none.
+    from_spine = job is not None and endpoint == job.upstream and msg_type == MSG_RESULT
+    spine_key = job.key if from_spine and job is not None else 0
     header = Header(
         job=job_id,
         rank=_int(o, "rank", where, 0, 0xFFFF, endpoint if own_rank is None else own_rank),
@@ -224,8 +248,11 @@ def _build_send(o: Mapping[str, Any], k: int, jobs: Mapping[int, JobSpec], where
         offset=_int(o, "offset", where, 0, 2**32 - 1, 0),
         exp=_int(o, "exp", where, -128, 127, EXP_NONE),
         flags=_int(o, "flags", where, 0, 255, 0),
-        type=_int(o, "type", where, 0, 255, MSG_DATA),
+        type=msg_type,
         version=_int(o, "version", where, 0, 255, VERSION),
+        call=_int(o, "call", where, 0, 2**32 - 1, DEFAULT_CALL),
+        total=_int(o, "total", where, 0, 2**32 - 1, DEFAULT_TOTAL),
+        key=_int(o, "key", where, 0, 2**32 - 1, spine_key),
         values=expand_values(o.get("values", {"fill": 0}), k, where),
     )
     packed = bytearray(header.pack())
@@ -264,6 +291,9 @@ def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> 
             flags=_int(o, "flags", where, 0, 255, 0),
             type=MSG_DATA if up else MSG_RESULT,
             elems=k,
+            call=_int(o, "call", where, 0, 2**32 - 1, DEFAULT_CALL),
+            total=_int(o, "total", where, 0, 2**32 - 1, DEFAULT_TOTAL),
+            key=0 if up else job.key,  # a DATA carries no key
             values=values,
         )
         out.append((endpoint, header.pack()))
@@ -285,7 +315,7 @@ def parse_vector(data: Any, path: Path) -> Vector:
     name = top.get("name")
     if not isinstance(name, str) or not name:
         raise VectorError(f"{where}: 'name' must be a non-empty string")
-    k = _int(top, "k", where, 1, 16372)
+    k = _int(top, "k", where, 1, MAX_K)
     installed: dict[int, JobSpec] = {}
     initial = []
     for i, obj in enumerate(top.get("jobs", [])):
@@ -394,7 +424,8 @@ def describe(payload: bytes) -> str:
     shown = vals if len(vals) <= 4 else [*vals[:3], "...", vals[-1]]
     return (
         f"v{h.version} type={h.type} flags={h.flags} exp={h.exp} job={h.job} rank={h.rank} slot={h.slot} "
-        f"set={h.shadow} elems={h.elems} offset={h.offset} len={len(payload)} values={shown}"
+        f"set={h.shadow} elems={h.elems} offset={h.offset} call={h.call} total={h.total} key={h.key:#x} "
+        f"len={len(payload)} values={shown}"
     )
 
 

@@ -20,6 +20,7 @@ from scapy.fields import (
     ShortField,
     SignedByteField,
     SignedIntField,
+    XIntField,
 )
 from scapy.layers.inet import UDP
 from scapy.layers.vxlan import VXLAN
@@ -33,7 +34,7 @@ class Agg(Packet):
     fields_desc = [
         ByteField("version", protocol.VERSION),
         ByteEnumField("type", protocol.MSG_DATA, protocol.MSG_NAMES),
-        FlagsField("flags", 0, 8, ["PRIME"]),
+        FlagsField("flags", 0, 8, [protocol.FLAG_NAMES[1 << i] for i in range(len(protocol.FLAG_NAMES))]),
         SignedByteField("exp", protocol.EXP_NONE),
         ShortField("job", 0),
         ShortField("rank", 0),
@@ -41,6 +42,9 @@ class Agg(Packet):
         BitField("slot", 0, 15),
         ShortField("elems", None),
         IntField("offset", 0),
+        IntField("call", 0),
+        IntField("total", 0),
+        XIntField("key", 0),
         # max_count: scapy stops a list at conf.max_list_count (100) values otherwise.
         FieldListField(
             "values",
@@ -59,7 +63,7 @@ class Agg(Packet):
 
     def pre_dissect(self, s: bytes) -> bytes:
         # FieldListField needs the byte count before it takes the values: remember what follows
-        # the fixed 16-byte header.
+        # the fixed header.
         self._remaining = max(0, len(s) - protocol.HEADER_LEN)
         return s
 
@@ -71,7 +75,9 @@ class Agg(Packet):
         return protocol.Header.unpack(bytes(self))
 
     def mysummary(self) -> Any:
-        return self.sprintf("switchagg %type% job=%job% rank=%rank% slot=%slot%/%shadow% off=%offset%")
+        return self.sprintf(
+            "switchagg %type% job=%job% rank=%rank% slot=%slot%/%shadow% off=%offset% call=%call%"
+        )
 
 
 def _whole_words(pkt: Packet) -> int:

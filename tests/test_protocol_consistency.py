@@ -112,8 +112,8 @@ def test_scapy_layer_matches_protocol_py() -> None:
     from switchagg.scapy_layer import Agg
 
     h = protocol.Header(
-        job=7, rank=2, slot=9, shadow=1, offset=640, exp=5, values=list(range(protocol.P4_K)), call=9, total=77,
-        key=0xFEEDBEEF, flags=protocol.FLAG_FLOAT | protocol.FLAG_MISMATCH,
+        job=7, rank=2, slot=9, shadow=1, offset=640, exp=5, values=list(range(protocol.P4_K)),
+        call=9, total=77, key=0xFEEDBEEF, flags=protocol.FLAG_FLOAT | protocol.FLAG_MISMATCH,
     )  # fmt: skip
     assert bytes(Agg(h.pack())) == h.pack()
     assert len(bytes(Agg(elems=0))) == protocol.HEADER_LEN

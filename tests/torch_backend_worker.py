@@ -366,7 +366,113 @@ def scenario_stress(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+# GradScaler parity (tests/test_torch_grad_scaler.py): a tiny model, SCALER_STEPS steps, and an
+# overflow injected on some ranks only, before DDP's allreduce, at the steps below.
+SCALER_STEPS = 12
+SCALER_OVERFLOWS = {
+    3: "one +Inf gradient element on rank 0",
+    7: "the loss times Inf on the last rank (Inf and NaN gradients)",
+    10: "+Inf on rank 0 and -Inf on rank 1 at the same gradient element (NaN in the sum)",
+}
+SCALER_LR = 0.05
+SCALER_INIT_SCALE = 2.0**10
+SCALER_GROWTH_INTERVAL = 3  # the scale grows as well as backs off within the run
+
+
+def scaler_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def _poke(value: float) -> Any:
+    """A tensor hook: runs before the gradient is accumulated, so DDP's allreduce sees the value."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[5] = value
+        return grad
+
+    return hook
+
+
+def train_with_scaler(ddp: torch.nn.Module, rank: int, n: int) -> dict[str, Any]:
+    """SCALER_STEPS steps of DDP + GradScaler("cpu") without autocast: the scaler's unscale_,
+    found_inf, skipped step and update are what is compared (a bfloat16 forward would turn the
+    network's float32 rounding into bfloat16 rounding flips, so parameters could not be compared
+    within the float32 bound)."""
+    params = list(ddp.parameters())
+    opt = torch.optim.SGD(params, lr=SCALER_LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT_SCALE, growth_interval=SCALER_GROWTH_INTERVAL)
+    # The largest local (scaled) gradient of each step, before the allreduce: the network's
+    # block exponent, hence the error bound of the step's sum.
+    peak = [0.0]
+
+    def watch(grad: torch.Tensor) -> torch.Tensor:
+        peak[0] = max(peak[0], grad.abs().max().item())
+        return grad
+
+    for p in params:
+        p.register_hook(watch)
+    target = params[0]  # the first layer's weight
+    out: dict[str, list[Any]] = {"scales": [], "stepped": [], "finite": [], "peaks": []}
+    for step in range(SCALER_STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
+        injected = SCALER_OVERFLOWS.get(step, "")
+        handles = []
+        if injected.startswith("one +Inf") and rank == 0:
+            handles.append(target.register_hook(_poke(math.inf)))
+        if injected.startswith("+Inf on rank 0") and rank in (0, 1):
+            handles.append(target.register_hook(_poke(math.inf if rank == 0 else -math.inf)))
+        opt.zero_grad()
+        peak[0] = 0.0
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if injected.startswith("the loss times Inf") and rank == n - 1:
+            loss = loss * math.inf
+        before = [p.detach().clone() for p in params]
+        scaler.scale(loss).backward()
+        for h in handles:
+            h.remove()
+        out["finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None))
+        out["peaks"].append(peak[0])
+        scaler.step(opt)
+        scaler.update()
+        out["stepped"].append(
+            any(not torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True))
+        )
+        out["scales"].append(scaler.get_scale())
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in params]).tolist()
+    return out
+
+
+def scenario_grad_scaler(rank: int, n: int, out_dir: Path) -> None:
+    """The same GradScaler run three ways: DDP on gloo (the baseline), DDP on the switchagg
+    backend, and DDP on gloo with the switchagg comm hook."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    gloo_group = dist.new_group(backend="gloo")
+    result: dict[str, Any] = {"overflows": sorted(SCALER_OVERFLOWS)}
+
+    result["gloo"] = train_with_scaler(DDP(scaler_model(), process_group=gloo_group), rank, n)
+
+    before = network_allreduces(pg)
+    result["switchagg"] = train_with_scaler(DDP(scaler_model(), process_group=pg), rank, n)
+    result["switchagg"]["network_allreduces"] = network_allreduces(pg) - before
+
+    state = satorch.SwitchaggHookState(gloo_group)
+    hooked = DDP(scaler_model(), process_group=gloo_group)
+    hooked.register_comm_hook(state, satorch.allreduce_hook)
+    result["hook"] = train_with_scaler(hooked, rank, n)
+    result["hook"]["network_allreduces"] = (
+        int(state.plane.session.stats()["allreduces"]) if state.plane else 0
+    )
+    dist.barrier()
+    state.close()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
+    "grad_scaler": scenario_grad_scaler,
     "stress": scenario_stress,
     "bad_aggregator": scenario_bad_aggregator,
     "collectives": scenario_collectives,

@@ -52,6 +52,7 @@ def _job(spec: JobSpec, bed: Any, gens: GenerationMap, counter_index: int) -> Jo
         generation=gens(spec.generation),
         workers=workers,
         counter_index=counter_index,
+        key=spec.key,
     )
 
 

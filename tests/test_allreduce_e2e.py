@@ -90,32 +90,31 @@ def test_killed_worker_makes_the_others_fail_cleanly(aggregator: SoftwareAggrega
     assert not (tmp_path / "job1_rank0.npz").exists()
 
 
-def test_bad_inputs_are_refused_before_anything_is_sent(aggregator: SoftwareAggregator) -> None:
-    from switchagg import Session
+def test_a_bad_argument_aborts_the_call_and_the_session(aggregator: SoftwareAggregator) -> None:
+    """A world of one: sums go through the aggregator; a bad argument is raised with its reason
+    and aborts the call on every rank (here only this one), after which the session is unusable."""
+    from switchagg import Session, SwitchaggError
 
-    with Session(2, 0, 1, aggregator.address, 0, 4, 64, timeout=5) as s:
-        aggregator.add_job(2, 1, 0, 4, 64, 1, [s.local_address])
-        x = np.ones(1000, np.float32)
-        x[777] = np.nan
-        with pytest.raises(ValueError, match="element 777 is NaN"):
-            s.allreduce(x)
-        x[777] = np.inf
-        with pytest.raises(ValueError, match="element 777"):
-            s.allreduce(x)
-        with pytest.raises(TypeError, match="float32 and int32"):
-            s.allreduce(np.ones(10, np.float64))
-        with pytest.raises(TypeError, match="C-contiguous"):
-            s.allreduce(np.ones((10, 10), np.float32)[:, 1])
-        with pytest.raises(TypeError, match="numpy array or a CPU torch tensor"):
-            s.allreduce([1.0, 2.0])
-        assert s.stats()["sent"] == 0
-        # A world of one: the sum is the input itself, through the aggregator.
-        y = np.arange(-500, 500, dtype=np.int32)
-        s.allreduce(y)
-        np.testing.assert_array_equal(y, np.arange(-500, 500, dtype=np.int32))
-        fut = s.allreduce_async(y)
-        assert fut.result(timeout=30) is None
-        assert s.stats()["allreduces"] == 2
+    for bad, message in [
+        (np.ones(10, np.float64), "float32 and int32"),
+        (np.ones((10, 10), np.float32)[:, 1], "C-contiguous"),
+        ([1.0, 2.0], "numpy array or a CPU torch tensor"),
+    ]:
+        with Session(2, 0, 1, aggregator.address, 0, 4, 64, timeout=5, key=77) as s:
+            aggregator.add_job(2, 1, 0, 4, 64, 1, [s.local_address], key=77)
+            y = np.arange(-500, 500, dtype=np.int32)
+            s.allreduce(y)
+            np.testing.assert_array_equal(y, np.arange(-500, 500, dtype=np.int32))
+            assert s.allreduce_async(y).result(timeout=30) is None
+            assert s.stats()["allreduces"] == 2
+            with pytest.raises(TypeError, match=f"{message}.*aborted on every rank"):
+                s.allreduce(bad)
+            with pytest.raises(
+                SwitchaggError, match="earlier call on this session failed.*aborted its call 3"
+            ):
+                s.allreduce(y)
+            assert s.stats()["call"] == 3
+            aggregator.remove_job(2)
 
 
 def test_torch_tensors_are_reduced_in_place(aggregator: SoftwareAggregator) -> None:

@@ -191,3 +191,16 @@ def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
         assert r["seconds"] >= timeout * 0.5  # it waited for the peer rather than failing at once
         # A DDP step afterwards raises in backward() (it used to crash the process in C++).
         assert r["ddp_error"] == "RuntimeError" and "switchagg" in r["ddp_message"].lower(), r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_mismatched_calls_fail_on_every_rank(tmp_path: Path, dtype: str) -> None:
+    """docs/PROTOCOL.md, Call identity: rank 0 calls all_reduce on 100k + 100k elements, its peers
+    once on 200k: every rank raises a SwitchaggError that names both lengths; none returns."""
+    n = 3
+    for rank, (code, err) in enumerate(finish(launch("mismatched_calls", n, tmp_path, MISMATCH_DTYPE=dtype))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    for rank in range(n):
+        r = read(tmp_path, rank)
+        assert r["error"] is not None and r["is_switchagg_error"], r
+        assert "100000" in r["message"] and "200000" in r["message"], r["message"]

@@ -471,7 +471,29 @@ def scenario_grad_scaler(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def scenario_mismatched_calls(rank: int, n: int, out_dir: Path) -> None:
+    """Rank 0 allreduces 2 x M elements, the others one call of 2M: every rank must fail its call
+    with what differed, never return a partial sum as success."""
+    dist.init_process_group("switchagg")
+    m = 100_000
+    dtype = torch.int32 if os.environ.get("MISMATCH_DTYPE") == "int32" else torch.float32
+    result: dict[str, Any] = {}
+    try:
+        if rank == 0:
+            for _ in range(2):
+                dist.all_reduce(torch.ones(m, dtype=dtype))
+        else:
+            dist.all_reduce(torch.ones(2 * m, dtype=dtype))
+        result["error"] = None
+    except Exception as e:
+        result.update(
+            error=type(e).__name__, message=str(e), is_switchagg_error=isinstance(e, switchagg.SwitchaggError)
+        )
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
+    "mismatched_calls": scenario_mismatched_calls,
     "grad_scaler": scenario_grad_scaler,
     "stress": scenario_stress,
     "bad_aggregator": scenario_bad_aggregator,

@@ -28,6 +28,7 @@ import grpc
 
 from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
+from switchagg.cli_util import add_version
 
 if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
@@ -548,6 +549,7 @@ def _push(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchagg-ctl", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the job service and program the data plane")

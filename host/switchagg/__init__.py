@@ -1,7 +1,14 @@
 """switchagg: in-network aggregation of gradients, on a P4 switch or a software aggregator."""
 
+from importlib import metadata as _metadata
+
 from switchagg import protocol
 from switchagg.errors import SwitchaggError, SwitchaggTimeout
 from switchagg.session import Session
 
-__all__ = ["Session", "SwitchaggError", "SwitchaggTimeout", "protocol"]
+try:
+    __version__ = _metadata.version("switchagg")  # the one version: pyproject.toml's, as installed
+except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["Session", "SwitchaggError", "SwitchaggTimeout", "__version__", "protocol"]

@@ -32,6 +32,7 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from switchagg import _core
+from switchagg.cli_util import add_version
 from switchagg.protocol import (
     DEFAULT_SW_K,
     DEFAULT_SW_SLOTS,
@@ -363,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="switchagg-aggregator",
         description="The switchagg software aggregator: in-network style gradient aggregation over UDP.",
     )
+    add_version(p)
     p.add_argument("--host", default="127.0.0.1", help="IPv4 address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=UDP_PORT, help=f"UDP port (default {UDP_PORT})")
     p.add_argument(

@@ -16,6 +16,7 @@ from multiprocessing.synchronize import Event as EventType
 import numpy as np
 
 from switchagg import protocol
+from switchagg.cli_util import add_version
 
 
 def _inputs(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +57,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue, go: E
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="switchagg-demo", description=__doc__)
+    add_version(p)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--size", type=int, default=1_000_000, help="elements per tensor")
     p.add_argument("--iters", type=int, default=3)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
+from switchagg.cli_util import add_version
 from switchagg.testbed import netns, racks, tools
 from switchagg.testbed.racks import SPINE_IP, Racks
 from switchagg.testbed.service import start_job_service, start_two_level_service, worker_env
@@ -338,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchagg-testbed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version(parser)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def named(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -78,12 +78,22 @@ def _time_allreduces(allreduce: Any, fresh: Any, reps: int, bar: Any) -> list[fl
 
 
 def _switchagg_worker(
-    rank: int, n: int, port: int, n_el: int, reps: int, k: int, slots: int, bar: Any, q: Any, go: Any
+    rank: int,
+    n: int,
+    port: int,
+    n_el: int,
+    reps: int,
+    k: int,
+    slots: int,
+    key: int,
+    bar: Any,
+    q: Any,
+    go: Any,
 ) -> None:
     from switchagg import Session
 
     x = np.random.default_rng(rank).standard_normal(n_el, dtype=np.float32)
-    with Session(1, rank, n, ("127.0.0.1", port), 0, slots, k, timeout=60) as s:
+    with Session(1, rank, n, ("127.0.0.1", port), 0, slots, k, timeout=60, key=key) as s:
         q.put(("address", rank, s.local_address))  # the job is installed with every rank's address
         if not go.wait(60):
             raise SystemExit("the job was never installed")
@@ -130,17 +140,18 @@ def _run(
 
 
 def bench_allreduce(n: int, mb: int, reps: int, k: int, slots: int, gloo: bool) -> dict[str, Any]:
-    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator import SoftwareAggregator, new_key
 
     n_el = mb * (1 << 20) // 4
+    key = new_key()  # the job's result key, as the job service would give it
     agg = SoftwareAggregator("127.0.0.1", 0)
     agg.start()
     try:
 
         def install(addrs: list[tuple[str, int]]) -> None:
-            agg.add_job(1, n, 0, slots, k, 1, addrs)
+            agg.add_job(1, n, 0, slots, k, 1, addrs, key=key)
 
-        times, stats = _run(_switchagg_worker, n, (agg.address[1], n_el, reps, k, slots), install)
+        times, stats = _run(_switchagg_worker, n, (agg.address[1], n_el, reps, k, slots, key), install)
     finally:
         agg.stop()
     t_sa = statistics.median(times)

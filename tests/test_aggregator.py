@@ -336,8 +336,15 @@ def test_jobs_can_change_while_serving(agg: SoftwareAggregator, socks: list[sock
 
 def test_parse_job() -> None:
     two = [("127.0.0.1", 5000), ("10.0.0.2", 6000)]
-    assert parse_job("7:2:0:32:8192@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 8192, 1, two)
-    assert parse_job("7:2:0:32:64:5@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 64, 5, two)
+    assert parse_job("7:2:0:32:8192@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 8192, 1, two, 0)
+    assert parse_job("7:2:0:32:64:5@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 64, 5, two, 0)
+    # The result key: decimal or hex, 32 bits.
+    assert parse_job("7:2:0:32:64:5:0xdeadbeef@127.0.0.1:5000,10.0.0.2:6000")[-1] == 0xDEADBEEF
+    assert parse_job("7:2:0:32:64:5:4294967295@127.0.0.1:5000,10.0.0.2:6000")[-1] == 2**32 - 1
+    with pytest.raises(Exception, match="not a 32-bit unsigned number"):
+        parse_job("7:2:0:32:64:5:4294967296@127.0.0.1:5000,10.0.0.2:6000")
+    with pytest.raises(Exception, match="ID:N:BASE:COUNT:K"):
+        parse_job("7:2:0:32:64:5:1:2@127.0.0.1:5000,10.0.0.2:6000")
     with pytest.raises(Exception, match="names no rank addresses"):
         parse_job("7:2:0:32:8192")
     with pytest.raises(Exception, match="2 ranks but 1 addresses"):
@@ -352,7 +359,7 @@ def test_parse_job() -> None:
 
 def test_parse_leaf_and_ranks_behind_other_leaves() -> None:
     assert parse_job("7:3:0:4:64@127.0.0.1:5000,-,10.0.0.2:6000") == (
-        7, 3, 0, 4, 64, 1, [("127.0.0.1", 5000), None, ("10.0.0.2", 6000)],
+        7, 3, 0, 4, 64, 1, [("127.0.0.1", 5000), None, ("10.0.0.2", 6000)], 0,
     )  # fmt: skip
     assert parse_leaf("7:2@10.0.0.9:48879") == (7, 2, ("10.0.0.9", 48879))
     for bad in ("7@10.0.0.9:1", "7:x@10.0.0.9:1", "7:1", "7:1@10.0.0.9"):

@@ -51,6 +51,8 @@ def test_a_job_outlives_a_controller_restart_and_a_long_idle_phase(tmp_path: Pat
             joins = [pool.submit(join, c.address, r) for r in range(N)]
             sessions = [f.result(timeout=60) for f in joins]
             first_generation = sessions[0].assignment.generation
+            key = sessions[0].assignment.key  # the job's result key: kept across the restart (store)
+            assert key != 0 and all(s.assignment.key == key for s in sessions)
             _allreduce_exact(pool, sessions, 0)
 
             c.kill()  # the controller and its embedded aggregator die mid-job

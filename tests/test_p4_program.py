@@ -21,7 +21,17 @@ def _topology(n: int = 3) -> Topology:
 
 def _job(n: int = 3, **kw: object) -> Job:
     workers = tuple(WorkerAddr(r, f"10.9.0.{r + 1}", 40000 + r) for r in range(n))
-    base = Job(job_id=7, name="j", n=n, slot_base=16, slot_count=8, k=64, generation=5, workers=workers)
+    base = Job(
+        job_id=7,
+        name="j",
+        n=n,
+        slot_base=16,
+        slot_count=8,
+        k=64,
+        generation=5,
+        workers=workers,
+        key=0xC0FFEE01,
+    )
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
@@ -47,6 +57,7 @@ def test_job_state_resolves_ports_and_macs_from_topology() -> None:
         "slot_count": 8,
         "generation": 5,
         "counter_index": 0,
+        "key": 0xC0FFEE01,  # the job's result key, written into every RESULT
     }
     workers = {dict(e.match)["rank"]: dict(e.params) for e in entries if e.table == p4.WORKER_TABLE}
     assert workers[2] == {"port": 3, "ip": 0x0A090003, "udp_port": 40002}
@@ -61,6 +72,7 @@ def test_job_state_resolves_ports_and_macs_from_topology() -> None:
         ({"k": 128}, "K = 64"),
         ({"slot_base": 1020}, "outside the pool"),
         ({"generation": 0}, "generation"),
+        ({"key": 2**32}, "result key"),
         ({"counter_index": p4.MAX_JOBS}, "counter index"),
         ({"n": 4, "workers": _job(3).workers}, "each rank"),
         ({"n": 33}, "outside 1..32"),
@@ -140,6 +152,7 @@ def test_leaf_job_entry_names_local_count_first_rank_and_spine() -> None:
         "spine_mac": 0x0200000001FE,
         "spine_ip": 0x0A0901FE,
         "spine_udp_port": 48879,
+        "key": 0xC0FFEE01,
     }
     # Only the local ranks have worker and result entries and multicast replicas.
     assert sorted(dict(e.match)["rank"] for e in entries if e.table == p4.WORKER_TABLE) == [2, 4]

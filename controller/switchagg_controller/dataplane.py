@@ -106,16 +106,17 @@ def reconcile_jobs(
     agg: AggregatorHandle, want: dict[int, Job], add: Callable[[Job], None]
 ) -> tuple[int, int]:
     """Makes ``agg`` hold exactly the jobs of ``want`` (by id): those it holds that are not wanted,
-    or with other slots or K, are removed; the missing ones are added with ``add`` (each as its
-    role there). For a remote aggregator that restarted (it came back empty) or was unreachable
-    for a while (it may hold jobs removed meanwhile). Returns (installed, removed)."""
+    or with other slots, K or result key (another job that had the id), are removed; the missing
+    ones are added with ``add`` (each as its role there). For a remote aggregator that restarted
+    (it came back empty) or was unreachable for a while (it may hold jobs removed meanwhile).
+    Returns (installed, removed)."""
     have = agg.jobs()
     stale = [
         job_id
         for job_id, info in have.items()
         if job_id not in want
-        or (info.slot_base, info.slot_count, info.k)
-        != (want[job_id].slot_base, want[job_id].slot_count, want[job_id].k)
+        or (info.slot_base, info.slot_count, info.k, info.key)
+        != (want[job_id].slot_base, want[job_id].slot_count, want[job_id].k, want[job_id].key)
     ]
     for job_id in stale:
         agg.remove_job(job_id)
@@ -173,8 +174,9 @@ class SoftwareDataPlane:
     def _add(self, job: Job) -> None:
         addrs = [(w.ip, w.udp_port) for w in sorted(job.workers, key=lambda w: w.rank)]
         self.agg.add_job(
-            job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs, name=job.name
-        )
+            job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs,
+            name=job.name, key=job.key,
+        )  # fmt: skip
 
     def _install(self, job: Job) -> None:
         from switchagg.aggregator_control import ControlError

@@ -213,7 +213,7 @@ class TwoLevelDataPlane:
             views = [self.leaves[i].address for i in leaves]
             self.spine.add_job(
                 job.job_id, len(leaves), job.slot_base, job.slot_count, job.k, job.generation, views,
-                name=job.name,
+                name=job.name, key=job.key,
             )  # fmt: skip
             return
         i = node - 1
@@ -221,7 +221,7 @@ class TwoLevelDataPlane:
         addrs = [(w.ip, w.udp_port) if self.spec.leaf_of(w.ip) == i else None for w in ranks]
         self.leaves[i].add_job(
             job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs,
-            name=job.name, upstream=self.spine.address, leaf_index=leaves.index(i),
+            name=job.name, upstream=self.spine.address, leaf_index=leaves.index(i), key=job.key,
         )  # fmt: skip
 
     async def _off_loop(self, call: Callable[..., _T], *args: object) -> _T:

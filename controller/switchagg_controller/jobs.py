@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from switchagg import protocol
+from switchagg.aggregator import new_key
 from switchagg.jobclient import Assignment  # the answer a worker gets: one definition for both sides
 from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
@@ -210,6 +211,7 @@ class JobManager:
             done.slot_count,
             done.k,
             done.generation,
+            done.key,
         )
 
     def _drop(self, pending: _Pending, member: _Member) -> None:
@@ -276,6 +278,7 @@ class JobManager:
         ranks = [m.requested_rank if m.requested_rank is not None else next(free) for m in pending.members]
         errors = []
         unavailable = False
+        key = new_key()  # the job's for life: kept across reinstalls and controller restarts
         for plane_name in self.order:
             plane = self.planes[plane_name]
             try:
@@ -304,6 +307,7 @@ class JobManager:
                 generation=self.store.next_generation(),
                 workers=workers,
                 counter_index=self._free_counter_index(plane_name),
+                key=key,
             )
             try:
                 await plane.install(job)

@@ -110,6 +110,10 @@ class Job:
     generation: int  # non-zero, changes on every (re)installation
     workers: tuple[WorkerAddr, ...] = field(default_factory=tuple)
     counter_index: int = 0  # index into the P4 per-job counter arrays
+    # The result key (docs/PROTOCOL.md): random, non-zero, 32 bits, set when the controller creates
+    # the job and kept for its whole life (new generations, controller restarts); every RESULT of
+    # its data plane carries it, and the workers (told it by Join) drop any other. 0: unkeyed.
+    key: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,12 @@ REGISTERS = (
     "MyIngress.count",
     "MyIngress.max_exp",
     "MyIngress.values",
+    "MyIngress.round_call",
+    "MyIngress.round_total",
+    "MyIngress.round_offset",
+    "MyIngress.round_flags",
+    "MyIngress.poison",
     "MyIngress.final",
-    "MyIngress.partial_offset",
-    "MyIngress.partial_flags",
 )
 
 BROADCAST_MAC = "ff:ff:ff:ff:ff:ff"
@@ -183,6 +186,8 @@ def validate_job(job: Job, leaf: LeafRole | None = None) -> None:
         )
     if not 1 <= job.generation <= 0xFFFF:
         raise ProgramError(f"job {job.job_id}: generation {job.generation} is not a non-zero 16-bit number")
+    if not 0 <= job.key <= 0xFFFFFFFF:
+        raise ProgramError(f"job {job.job_id}: result key {job.key} is not a 32-bit number")
     if not 0 <= job.counter_index < MAX_JOBS:
         raise ProgramError(
             f"job {job.job_id}: counter index {job.counter_index} is outside 0..{MAX_JOBS - 1}"
@@ -221,7 +226,9 @@ def _job_entry(job: Job, group: int, leaf: LeafRole | None) -> TableEntry:
         ("counter_index", job.counter_index),
     )
     if leaf is None:
-        return TableEntry(JOB_TABLE, (("job", job.job_id),), "MyIngress.set_job", (("n", job.n), *common))
+        return TableEntry(
+            JOB_TABLE, (("job", job.job_id),), "MyIngress.set_job", (("n", job.n), *common, ("key", job.key))
+        )
     local = sorted(w.rank for w in job.workers)
     return TableEntry(
         JOB_TABLE,
@@ -237,6 +244,7 @@ def _job_entry(job: Job, group: int, leaf: LeafRole | None) -> TableEntry:
             ("spine_mac", mac_int(leaf.spine_mac)),
             ("spine_ip", ip_int(leaf.spine_ip)),
             ("spine_udp_port", leaf.spine_udp_port),
+            ("key", job.key),
         ),
     )
 

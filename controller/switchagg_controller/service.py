@@ -77,6 +77,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             slot_count=a.slot_count,
             k=a.k,
             generation=a.generation,
+            result_key=a.key,
         )
 
     def _observe_join(self, start: float, outcome: str) -> None:

@@ -1,8 +1,12 @@
 """SQLite persistence of the controller's own state, so a restarted controller picks up its jobs.
 
 What is stored: every installed job (id, name, data plane, slot range, K, generation, counter
-index), its workers' addresses and whether each has left, and the generation counter. Pending
-joins are not stored: a worker still waiting in Join sees its call fail and joins again.
+index, result key), its workers' addresses and whether each has left, and the generation counter.
+Pending joins are not stored: a worker still waiting in Join sees its call fail and joins again.
+
+The schema only grows: a column added later is added to an older file when it is opened, with
+a default that means what the older controller did (``result_key`` 0: the job is unkeyed, as its
+workers, told no key, expect).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     job_id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, data_plane TEXT NOT NULL,
     n INTEGER NOT NULL, slot_base INTEGER NOT NULL, slot_count INTEGER NOT NULL, k INTEGER NOT NULL,
-    generation INTEGER NOT NULL, counter_index INTEGER NOT NULL);
+    generation INTEGER NOT NULL, counter_index INTEGER NOT NULL,
+    result_key INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS workers (
     job_id INTEGER NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE, rank INTEGER NOT NULL,
     ip TEXT NOT NULL, udp_port INTEGER NOT NULL, mac TEXT NOT NULL, switch_port INTEGER NOT NULL,
@@ -26,6 +31,10 @@ CREATE TABLE IF NOT EXISTS workers (
 """
 
 MAX_GENERATION = 0xFFFF
+
+# Columns added after the first schema: (table, column, definition), added to older files on open.
+_ADDED_COLUMNS = (("jobs", "result_key", "INTEGER NOT NULL DEFAULT 0"),)
+_JOB_COLUMNS = "job_id, name, data_plane, n, slot_base, slot_count, k, generation, counter_index, result_key"
 
 
 @dataclass
@@ -47,6 +56,15 @@ class Store:
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            for table, column, definition in _ADDED_COLUMNS:
+                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         self._db.close()
@@ -67,7 +85,7 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (j.job_id,))
             self._db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     j.job_id,
                     j.name,
@@ -78,6 +96,7 @@ class Store:
                     j.k,
                     j.generation,
                     j.counter_index,
+                    j.key,
                 ),
             )
             self._db.executemany(
@@ -97,14 +116,14 @@ class Store:
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
 
     def load(self) -> list[JobRecord]:
-        jobs = self._db.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
+        jobs = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY job_id").fetchall()
         workers = self._db.execute("SELECT * FROM workers ORDER BY job_id, rank").fetchall()
         by_job: dict[int, list[tuple[WorkerAddr, bool]]] = {}
         for job_id, rank, ip, port, mac, switch_port, left in workers:
             by_job.setdefault(job_id, []).append((WorkerAddr(rank, ip, port, mac, switch_port), bool(left)))
         records = []
-        for job_id, name, data_plane, n, base, count, k, gen, counter_index in jobs:
+        for job_id, name, data_plane, n, base, count, k, gen, counter_index, key in jobs:
             ws = by_job.get(job_id, [])
-            job = Job(job_id, name, n, base, count, k, gen, tuple(w for w, _ in ws), counter_index)
+            job = Job(job_id, name, n, base, count, k, gen, tuple(w for w, _ in ws), counter_index, key)
             records.append(JobRecord(job, data_plane, {w.rank for w, left in ws if left}))
         return records

@@ -54,11 +54,12 @@ class _JobSpec:
     name: str
     upstream: Address | None
     leaf_index: int
+    key: int
 
     def install(self, agg: SoftwareAggregator) -> None:
         agg.add_job(
             self.job_id, self.n, self.slot_base, self.slot_count, self.k, self.generation, self.addrs,
-            name=self.name, upstream=self.upstream, leaf_index=self.leaf_index,
+            name=self.name, upstream=self.upstream, leaf_index=self.leaf_index, key=self.key,
         )  # fmt: skip
 
 
@@ -88,7 +89,7 @@ class AggregatorControl(pb_grpc.AggregatorControlServicer):
         spec = _JobSpec(
             request.job_id, request.world_size, request.slot_base, request.slot_count, request.k,
             request.generation, tuple((r.ip, r.udp_port) if r.present else None for r in request.ranks),
-            request.name, upstream, request.leaf_index,
+            request.name, upstream, request.leaf_index, request.key,
         )  # fmt: skip
         with self._lock:
             replaced = spec.job_id in self._agg.jobs()
@@ -124,6 +125,7 @@ class AggregatorControl(pb_grpc.AggregatorControlServicer):
                     slot_count=i.slot_count,
                     k=i.k,
                     name=i.name,
+                    key=i.key,
                 )
                 for j, i in sorted(self._agg.jobs().items())
             ]
@@ -206,6 +208,7 @@ class RemoteAggregator:
         name: str = "",
         upstream: Address | None = None,
         leaf_index: int = 0,
+        key: int = 0,
     ) -> bool:
         """As SoftwareAggregator.add_job, except that an installed job id is replaced (the
         controller's reinstall with a new generation); True if it was."""
@@ -217,7 +220,7 @@ class RemoteAggregator:
         ]
         request = pb.AddJobRequest(
             secret=self._secret, job_id=job_id, world_size=n, slot_base=slot_base, slot_count=slot_count, k=k,
-            generation=generation, ranks=ranks, name=name, leaf_index=leaf_index,
+            generation=generation, ranks=ranks, name=name, leaf_index=leaf_index, key=key,
             upstream_ip=upstream[0] if upstream else "", upstream_port=upstream[1] if upstream else 0,
         )  # fmt: skip
         reply = self._call("AddJob", request)
@@ -234,7 +237,8 @@ class RemoteAggregator:
         reply = self._call("ListJobs", pb.AggListJobsRequest(secret=self._secret))
         assert isinstance(reply, pb.AggListJobsReply)
         return {
-            j.job_id: InstalledJob(j.world_size, j.slot_base, j.slot_count, j.k, j.name) for j in reply.jobs
+            j.job_id: InstalledJob(j.world_size, j.slot_base, j.slot_count, j.k, j.name, j.key)
+            for j in reply.jobs
         }
 
     def counters(self) -> Counters:

@@ -24,13 +24,13 @@ def _inputs(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(-(2**20), 2**20, size, dtype=np.int32), rng.standard_normal(size, dtype=np.float32)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, out: mp.Queue, go: EventType) -> None:
+def _worker(rank: int, args: argparse.Namespace, port: int, key: int, out: mp.Queue, go: EventType) -> None:
     from switchagg import Session
 
     xi, xf = _inputs(rank, args.size)
     try:
         with Session(
-            1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout
+            1, rank, args.workers, ("127.0.0.1", port), 0, args.slots, args.k, timeout=args.timeout, key=key
         ) as s:
             # The aggregator accepts this rank only from the address it registers before the job starts.
             out.put(("address", rank, s.local_address))
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop", type=float, default=0.0, help="inject this loss probability both ways")
     args = p.parse_args(argv)
 
-    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator import SoftwareAggregator, new_key
 
     agg = SoftwareAggregator("127.0.0.1", args.port, drop_in=args.drop, drop_out=args.drop)
     agg.start()
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     go = ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, out, go)) for r in range(args.workers)]
+    key = new_key()  # the job's result key: only its workers and the aggregator know it
+    procs = [ctx.Process(target=_worker, args=(r, args, port, key, out, go)) for r in range(args.workers)]
     for proc in procs:
         proc.start()
     addrs: dict[int, tuple[str, int]] = {}
@@ -96,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             addrs[rank] = rest[0]
             if len(addrs) == args.workers:  # every rank is bound: pin them and start the job
                 agg.add_job(
-                    1, args.workers, 0, args.slots, args.k, 1, [addrs[r] for r in range(args.workers)]
+                    1,
+                    args.workers,
+                    0,
+                    args.slots,
+                    args.k,
+                    1,
+                    [addrs[r] for r in range(args.workers)],
+                    key=key,
                 )
                 go.set()
         else:

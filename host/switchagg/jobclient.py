@@ -43,6 +43,7 @@ class Assignment:
     slot_count: int
     k: int
     generation: int
+    key: int = 0  # the job's result key: its aggregator's RESULTs carry it (Session(key=...))
 
 
 def _call(service: str, what: str, method: str, request: object, timeout: float) -> object:
@@ -100,6 +101,7 @@ def join(
         r.slot_count,
         r.k,
         r.generation,
+        r.result_key,
     )
 
 

@@ -176,6 +176,7 @@ class Session:
             a.k,
             timeout=timeout,
             metrics_port=metrics_port,
+            key=a.key,
             _worker=worker,
         )
         session.job_name = job_name

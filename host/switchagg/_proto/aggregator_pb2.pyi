@@ -35,7 +35,7 @@ class RankAddress(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ...) -> None: ...
 
 class AddJobRequest(_message.Message):
-    __slots__ = ("secret", "job_id", "world_size", "slot_base", "slot_count", "k", "generation", "ranks", "name", "upstream_ip", "upstream_port", "leaf_index")
+    __slots__ = ("secret", "job_id", "world_size", "slot_base", "slot_count", "k", "generation", "ranks", "name", "upstream_ip", "upstream_port", "leaf_index", "key")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class AddJobRequest(_message.Message):
     UPSTREAM_IP_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_PORT_FIELD_NUMBER: _ClassVar[int]
     LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_id: int
     world_size: int
@@ -60,7 +61,8 @@ class AddJobRequest(_message.Message):
     upstream_ip: str
     upstream_port: int
     leaf_index: int
-    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAddress, _Mapping]]] = ..., name: _Optional[str] = ..., upstream_ip: _Optional[str] = ..., upstream_port: _Optional[int] = ..., leaf_index: _Optional[int] = ...) -> None: ...
+    key: int
+    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAddress, _Mapping]]] = ..., name: _Optional[str] = ..., upstream_ip: _Optional[str] = ..., upstream_port: _Optional[int] = ..., leaf_index: _Optional[int] = ..., key: _Optional[int] = ...) -> None: ...
 
 class AddJobReply(_message.Message):
     __slots__ = ("replaced",)
@@ -89,20 +91,22 @@ class AggListJobsRequest(_message.Message):
     def __init__(self, secret: _Optional[str] = ...) -> None: ...
 
 class InstalledJobInfo(_message.Message):
-    __slots__ = ("job_id", "world_size", "slot_base", "slot_count", "k", "name")
+    __slots__ = ("job_id", "world_size", "slot_base", "slot_count", "k", "name", "key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOT_BASE_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     world_size: int
     slot_base: int
     slot_count: int
     k: int
     name: str
-    def __init__(self, job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    key: int
+    def __init__(self, job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., name: _Optional[str] = ..., key: _Optional[int] = ...) -> None: ...
 
 class AggListJobsReply(_message.Message):
     __slots__ = ("jobs",)

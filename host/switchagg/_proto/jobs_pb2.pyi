@@ -25,7 +25,7 @@ class JoinRequest(_message.Message):
     def __init__(self, secret: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation")
+    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation", "result_key")
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_IP_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class JoinReply(_message.Message):
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_KEY_FIELD_NUMBER: _ClassVar[int]
     data_plane: str
     aggregator_ip: str
     aggregator_port: int
@@ -46,7 +47,8 @@ class JoinReply(_message.Message):
     slot_count: int
     k: int
     generation: int
-    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    result_key: int
+    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., result_key: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("secret", "job_id", "rank")

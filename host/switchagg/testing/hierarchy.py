@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from switchagg.aggregator import new_key
 from switchagg.testing.local import WORKER, _read_address
 
 AGGREGATOR = [sys.executable, "-m", "switchagg.aggregator"]
@@ -23,9 +24,9 @@ _STOP_S = 30.0
 Address = tuple[str, int]
 
 
-def _spec(job: int, n: int, slots: int, k: int, addrs: Sequence[Address | None]) -> str:
+def _spec(job: int, n: int, slots: int, k: int, addrs: Sequence[Address | None], key: int) -> str:
     ranks = ",".join("-" if a is None else f"{a[0]}:{a[1]}" for a in addrs)
-    return f"{job}:{n}:0:{slots}:{k}@{ranks}"
+    return f"{job}:{n}:0:{slots}:{k}:1:{key}@{ranks}"
 
 
 @dataclass
@@ -121,12 +122,16 @@ def run_hierarchy(
     wait: float = 180.0,
     node_args: Callable[[str], list[str]] = lambda name: [],
     during: Callable[[dict[str, Node]], None] | None = None,
+    key: int | None = None,
     **cfg: Any,
 ) -> Outcome:
     """Starts the workers (job ranks in rack order), the spine and the leaves, lets the workers run
     and waits for all (bounded by ``wait``); ``during(nodes)`` runs once they started (e.g. to
     restart a leaf); ``node_args(name)`` adds aggregator options (e.g. fault injection); ``cfg``
-    adds worker config keys (switchagg.testing.worker)."""
+    adds worker config keys (switchagg.testing.worker); ``key``: the job's result key on every
+    node and worker (None: a fresh random one; 0: unkeyed)."""
+    if key is None:
+        key = new_key()
     n, racks = len(layout.rack_of), max(layout.rack_of) + 1
     procs: list[subprocess.Popen[str]] = []
     nodes: dict[str, Node] = {}
@@ -135,7 +140,7 @@ def run_hierarchy(
             c = {
                 "job": job, "rank": rank, "n": n, "aggregator": list(layout.leaf_addrs[layout.rack_of[rank]]),
                 "bind": list(layout.worker_bind(rank)), "slots": slots, "k": k, "tensors": tensors,
-                "out": str(out), "announce": True, **cfg,
+                "out": str(out), "announce": True, "key": key, **cfg,
             }  # fmt: skip
             argv = [*layout.launcher(f"h{rank}"), *WORKER, json.dumps(c)]
             procs.append(
@@ -152,12 +157,12 @@ def run_hierarchy(
             path = out / f"{name}.counters.json"
             return Node(name, [*argv, "--counters-json", str(path)], path)
 
-        nodes["spine"] = node("spine", layout.spine, _spec(job, racks, slots, k, layout.leaf_views), [])
+        nodes["spine"] = node("spine", layout.spine, _spec(job, racks, slots, k, layout.leaf_views, key), [])
         for leaf in range(racks):
             mine = [a if layout.rack_of[r] == leaf else None for r, a in enumerate(addrs)]
             up = f"{job}:{leaf}@{layout.spine[0]}:{layout.spine[1]}"
             nodes[f"l{leaf}"] = node(
-                f"l{leaf}", layout.leaf_binds[leaf], _spec(job, n, slots, k, mine), ["--leaf", up]
+                f"l{leaf}", layout.leaf_binds[leaf], _spec(job, n, slots, k, mine, key), ["--leaf", up]
             )
         for nd in nodes.values():
             nd.start()

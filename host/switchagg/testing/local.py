@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from switchagg.aggregator import AggregatorHandle
+from switchagg.aggregator import AggregatorHandle, new_key
 
 WORKER = [sys.executable, "-m", "switchagg.testing.worker"]
 
@@ -43,6 +43,7 @@ def run_job(
     slots: int,
     k: int,
     generation: int = 1,
+    key: int | None = None,
     wait: float = 120.0,
     per_rank: dict[int, dict[str, Any]] | None = None,
     before_go: Callable[[list[tuple[str, int]]], None] | None = None,
@@ -53,7 +54,10 @@ def run_job(
     and waits for all (bounded by ``wait`` seconds: a hang fails instead of blocking); ``cfg`` and
     ``per_rank`` add worker config keys (switchagg.testing.worker); ``before_go(addresses)`` runs
     between installing the job and letting the workers start; ``launcher(rank)`` prefixes rank's
-    command line (e.g. ``ip netns exec NS``)."""
+    command line (e.g. ``ip netns exec NS``). ``key``: the job's result key, installed and given to
+    every worker (None: a fresh random one; 0: unkeyed)."""
+    if key is None:
+        key = new_key()
     procs = []
     for rank in range(n):
         c = {
@@ -66,6 +70,7 @@ def run_job(
             "tensors": tensors,
             "out": str(out),
             "announce": True,
+            "key": key,
             **cfg,
             **(per_rank or {}).get(rank, {}),
         }
@@ -81,7 +86,7 @@ def run_job(
     try:
         deadline = time.monotonic() + 60
         addrs = [_read_address(p, deadline) for p in procs]
-        agg.add_job(job, n, 0, slots, k, generation, addrs)
+        agg.add_job(job, n, 0, slots, k, generation, addrs, key=key)
         if before_go is not None:
             before_go(addrs)
         for p in procs:

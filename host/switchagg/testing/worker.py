@@ -1,7 +1,7 @@
 """One rank allreducing seeded tensors: ``python -m switchagg.testing.worker CONFIG_JSON``.
 
 Config keys: job rank n aggregator=[ip, port] slot_base slots k bind=[ip, port] tensors=[[dtype,
-size], ...] seed out timeout rto, and optionally announce (print the bound address as a JSON line
+size], ...] seed out timeout rto key, and optionally announce (print the bound address as a JSON line
 and wait for a line on stdin before the first allreduce: the job is installed with that address)
 and die_after (SIGKILL itself once that many results came back, i.e. mid-allreduce).
 
@@ -53,6 +53,7 @@ def main() -> int:
         bind=(bind_ip, bind_port),
         timeout=cfg.get("timeout", 20.0),
         rto=cfg.get("rto", 0.05),
+        key=cfg.get("key", 0),
     ) as s:
         if cfg.get("announce"):
             print(json.dumps({"address": list(s.local_address)}), flush=True)

@@ -128,6 +128,14 @@ def _start_aggregator() -> SoftwareAggregator:
     return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0).start()
 
 
+def _parse_published(text: str) -> tuple[tuple[str, int], int]:
+    """Rank 0's "HOST:PORT KEY": the embedded aggregator's address and the job's result key."""
+    address, _, key = text.partition(" ")
+    if not key.isdigit() or not 0 < int(key) <= 0xFFFFFFFF:
+        raise RuntimeError(f"rank 0 published {text!r}, not HOST:PORT KEY (a non-zero 32-bit key)")
+    return parse_host_port(address, "published aggregator address"), int(key)
+
+
 def _published(text: str, what: str) -> str:
     if text.startswith(FAILED_MARK):
         raise RuntimeError(f"rank 0 could not {what}: {text[1:]}")
@@ -146,15 +154,19 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
     try:
         if rank == 0:
             try:
+                from switchagg.aggregator import new_key
+
                 aggregator = _start_aggregator()
+                key = new_key()  # the job's result key: only the group's ranks and the aggregator know it
             except Exception as e:
                 exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
                 raise
             host, port = aggregator.address
-            address = parse_host_port(exchange.share(f"{host}:{port}"), "aggregator address")
+            address, key = _parse_published(exchange.share(f"{host}:{port} {key}"))
         else:
-            published = _published(exchange.share(None), "start the switchagg aggregator")
-            address = parse_host_port(published, "published aggregator address")
+            address, key = _parse_published(
+                _published(exchange.share(None), "start the switchagg aggregator")
+            )
         try:
             session = Session(
                 EMBEDDED_JOB,
@@ -166,6 +178,7 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
                 k=k,
                 timeout=timeout,
                 bind=_worker_bind(address[0]),
+                key=key,
             )
             mine = "{}:{}".format(*session.local_address)
         except Exception as e:
@@ -177,7 +190,8 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
         if aggregator is not None:
             try:
                 pinned = [parse_host_port(a, f"rank {r}'s address") for r, a in enumerate(addresses)]
-                aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, random.randint(1, 0xFFFF), pinned)
+                generation = random.randint(1, 0xFFFF)
+                aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, generation, pinned, key=key)
             except Exception as e:
                 exchange.share(f"{FAILED_MARK}{e!r}")
                 raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -144,6 +145,21 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     report = json.loads(status.stdout)
     assert status.returncode == 0 and report["up"] and report["processes"] == {"service": True}
     assert all(link["up"]["bytes"] > 20000 and link["down"]["bytes"] > 20000 for link in report["links"])
+    # status prints how switchagg-ctl reaches the testbed's controller: the workers' variables
+    state_dir = Path(env["SWITCHAGG_TESTBED_DIR"], NAME)
+    ctl_env = {
+        "SWITCHAGG_JOB_SERVICE": f"unix:{state_dir / 'jobs.sock'}",
+        "SWITCHAGG_SECRET_FILE": str(state_dir / "secret"),
+    }
+    assert report["ctl_env"] == ctl_env
+    text = _cli("status", "--name", NAME, env=env).stdout
+    export = next(line.strip() for line in text.splitlines() if line.strip().startswith("export "))
+    assert dict(item.split("=", 1) for item in shlex.split(export)[1:]) == ctl_env, text
+    ctl = subprocess.run(
+        [sys.executable, "-m", "switchagg_controller.cli", "jobs", "--json"],
+        capture_output=True, text=True, timeout=60, env={**env, **ctl_env},
+    )  # fmt: skip
+    assert ctl.returncode == 0 and "jobs" in json.loads(ctl.stdout), ctl.stderr
 
     failing = _cli("run", "--name", NAME, "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
     assert failing.returncode in (3, 4), failing.stderr

@@ -8,6 +8,9 @@ switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
 switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--watch 2]
 switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--once] [--json]
 switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
+
+The client commands take --service, --secret and --secret-file from $SWITCHAGG_JOB_SERVICE,
+$SWITCHAGG_SECRET and $SWITCHAGG_SECRET_FILE, the variables the workers read, when not given.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,31 +39,56 @@ if TYPE_CHECKING:
     from switchagg_controller.hierarchy import NodeSupervisor
 
 
+DEFAULT_SERVICE = "127.0.0.1:50051"
+
+
 class CliError(Exception):
     pass
 
 
-def _secret(args: argparse.Namespace) -> str:
-    if args.secret_file:
-        try:
-            secret = Path(args.secret_file).read_text().strip()
-        except OSError as e:
-            raise CliError(f"cannot read the secret file {args.secret_file}: {e.strerror}") from None
-    else:
-        secret = args.secret or ""
+def _read_secret_file(path: str, what: str) -> str:
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise CliError(f"cannot read the secret file {what}: {e.strerror}") from None
     if not secret:
-        raise CliError("a secret is needed: --secret or --secret-file (the file must not be empty)")
+        raise CliError(f"the secret file {what} is empty")
     return secret
+
+
+def _secret(args: argparse.Namespace) -> str:
+    """The flags, else the variables the workers read (host/switchagg/torch/dataplane.py), in the
+    workers' order: $SWITCHAGG_SECRET, then $SWITCHAGG_SECRET_FILE."""
+    if args.secret_file:
+        return _read_secret_file(args.secret_file, args.secret_file)
+    if args.secret:
+        return str(args.secret)
+    if os.environ.get("SWITCHAGG_SECRET"):
+        return os.environ["SWITCHAGG_SECRET"]
+    path = os.environ.get("SWITCHAGG_SECRET_FILE")
+    if path:
+        return _read_secret_file(path, f"SWITCHAGG_SECRET_FILE={path}")
+    raise CliError(
+        "a secret is needed: --secret-file or --secret, or $SWITCHAGG_SECRET_FILE or $SWITCHAGG_SECRET"
+    )
 
 
 def _add_secret(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--secret", help="the deployment's shared secret (visible in ps; prefer --secret-file)")
-    g.add_argument("--secret-file", help="file holding the shared secret")
+    g.add_argument(
+        "--secret",
+        help="the shared secret (visible in ps: prefer --secret-file; default $SWITCHAGG_SECRET)",
+    )
+    g.add_argument("--secret-file", help="file holding the shared secret (default $SWITCHAGG_SECRET_FILE)")
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--service", default="127.0.0.1:50051", help="job service address (default %(default)s)")
+    p.add_argument(
+        "--service",
+        default=os.environ.get("SWITCHAGG_JOB_SERVICE") or DEFAULT_SERVICE,
+        help="job service address, host:port or unix:/path "
+        f"(default $SWITCHAGG_JOB_SERVICE, else {DEFAULT_SERVICE})",
+    )
     _add_secret(p)
 
 
@@ -555,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the job service and program the data plane")
     p.add_argument(
         "--listen",
-        default="127.0.0.1:50051",
+        default=DEFAULT_SERVICE,
         help="job service address, host:port or unix:/path (default %(default)s)",
     )
     _add_secret(p)

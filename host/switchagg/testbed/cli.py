@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,12 @@ from switchagg import protocol
 from switchagg.cli_util import add_version
 from switchagg.testbed import netns, racks, tools
 from switchagg.testbed.racks import SPINE_IP, Racks
-from switchagg.testbed.service import start_job_service, start_two_level_service, worker_env
+from switchagg.testbed.service import (
+    service_address,
+    start_job_service,
+    start_two_level_service,
+    worker_env,
+)
 from switchagg.testbed.topology import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
 
 STATE_ROOT = Path(os.environ.get("SWITCHAGG_TESTBED_DIR", "/run/switchagg-testbed"))
@@ -58,6 +64,20 @@ def _dir(name: str) -> Path:
 
 def _prefix(name: str) -> str:
     return f"sat{name}-"
+
+
+def ctl_env(name: str) -> dict[str, str]:
+    """The variables that point switchagg-ctl (and a worker) at the testbed's job service."""
+    return {
+        "SWITCHAGG_JOB_SERVICE": service_address(_dir(name)),
+        "SWITCHAGG_SECRET_FILE": str(_dir(name) / "secret"),
+    }
+
+
+def ctl_lines(name: str) -> list[str]:
+    """What to paste into a shell to reach the testbed's controller with switchagg-ctl."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in ctl_env(name).items())
+    return [f"export {exports}", "switchagg-ctl jobs    # or top, counters, teardown JOB"]
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,8 +193,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         where = f"{spec['data_plane']} data plane at {AGG_IP}, links {rate}"
     print(
         f"testbed {args.name}: {spec['n']} workers ({workers}), {where}, MTU {bed.mtu}; "
-        f"job service unix:{workdir / 'jobs.sock'}"
+        f"job service unix:{workdir / 'jobs.sock'}; switchagg-ctl reaches it with:"
     )
+    print("\n".join(f"  {line}" for line in ctl_lines(args.name)))
     return 0
 
 
@@ -221,7 +242,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "up": built and all(processes.values()),
         "spec": state["spec"],
         "processes": processes,
-        "service": f"unix:{_dir(args.name) / 'jobs.sock'}",
+        "service": service_address(_dir(args.name)),
+        "ctl_env": ctl_env(args.name),
         "links": bed.link_stats() if built else [],
     }
     if args.json:
@@ -235,7 +257,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "  processes: "
         + ", ".join(f"{k} {'running' if v else 'GONE'}" for k, v in report["processes"].items())
     )
-    print(f"  job service: {report['service']}")
+    print(f"  job service: {report['service']}; switchagg-ctl reaches it with:")
+    print("\n".join(f"    {line}" for line in ctl_lines(args.name)))
     names = [(f"h{e.index}", e.ip) for e in bed.endpoints]
     if isinstance(bed, Racks):
         names += [(f"up{leaf.index}", f"rack{leaf.index}") for leaf in bed.leaves]

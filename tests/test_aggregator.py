@@ -83,8 +83,8 @@ def nothing_waiting(s: socket.socket) -> bool:
     [
         ((1, 0, 0, 4, 8, 1), "n \\(workers\\) must be in 1..32"),
         ((1, 33, 0, 4, 8, 1), "n \\(workers\\) must be in 1..32"),
-        ((1, 2, 0, 4, 0, 1), "k must be in 1..16372"),
-        ((1, 2, 0, 4, MAX_K + 1, 1), "k must be in 1..16372"),
+        ((1, 2, 0, 4, 0, 1), "k must be in 1..16369"),
+        ((1, 2, 0, 4, MAX_K + 1, 1), "k must be in 1..16369"),
         ((1, 2, 0, 0, 8, 1), "slot range"),
         ((1, 2, -1, 4, 8, 1), "slot range"),
         ((1, 2, 32767, 2, 8, 1), "slot range"),
@@ -447,7 +447,7 @@ def test_cli_help() -> None:
     [
         ("1:2:0:4:8", "names no rank addresses"),
         ("1:1:0:4:8@localhost:5000", "not an IPv4 address"),
-        ("1:1:0:4:99999@127.0.0.1:5000", "k must be in 1..16372"),
+        ("1:1:0:4:99999@127.0.0.1:5000", "k must be in 1..16369"),
     ],
 )
 def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:

@@ -113,3 +113,74 @@ def test_ctl_says_which_secret_is_missing(tmp_path: Path) -> None:
     r = _ctl("jobs", env={"SWITCHAGG_SECRET_FILE": str(empty)})
     assert r.returncode == 1 and f"SWITCHAGG_SECRET_FILE={empty} is empty" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+# -- a closed pipe (| head) ends quietly ---------------------------------------------------------
+
+QUIET = ("Traceback", "Errno 32", "Broken pipe", "Exception ignored")
+
+
+def _closed_early(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs argv with stdout a pipe whose read end is closed before the command writes."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    return subprocess.CompletedProcess(argv, p.returncode, "", err)
+
+
+def _head(command: str, lines: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``command | head -LINES`` in bash with pipefail: the status is the command's."""
+    script = f"set -o pipefail; {command} | head -{lines}"
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_into_a_closed_pipe(name: str, flag: str) -> None:
+    module, func = SCRIPTS[name].split(":")
+    code = f"import sys; from {module} import {func} as main; sys.argv[0] = {name!r}; sys.exit(main())"
+    r = _closed_early([sys.executable, "-c", code, flag])
+    assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), r.stderr
+
+
+def test_ctl_read_commands_into_head_exit_0_quietly(unix_controller: Controller) -> None:
+    env = {
+        **os.environ,
+        "SWITCHAGG_JOB_SERVICE": unix_controller.address,
+        "SWITCHAGG_SECRET_FILE": str(unix_controller.secret_file),
+    }
+    ctl = f"{sys.executable} -m switchagg_controller.cli"
+    for command, lines in (
+        (f"{ctl} counters --watch 1 --count 2", 5),  # the issue's command
+        (f"{ctl} counters --watch 0.1 --count 100", 1),  # head is gone before the second round
+        (f"{ctl} counters --json --watch 0.1 --count 100", 1),
+        (f"{ctl} top --interval 0.1 --iterations 100", 1),
+        (f"{ctl} top --json --interval 0.1 --iterations 100", 1),
+    ):
+        r = _head(command, lines, env)
+        assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), (command, r.stderr)
+        assert len(r.stdout.splitlines()) == lines, (command, r.stdout)
+    for what in ("jobs", "counters", "top --once"):
+        r = _closed_early([*ctl.split(), *what.split()], env)
+        assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), (what, r.stderr)
+
+
+def test_aggregator_stats_into_head_exit_0_quietly() -> None:
+    port = free_port(socket.SOCK_DGRAM)
+    command = f"{sys.executable} -m switchagg.aggregator --port {port} --stats-interval 0.05"
+    r = _head(command, 1, dict(os.environ))
+    assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), r.stderr
+    assert r.stdout.startswith("switchagg-aggregator listening on")
+
+
+def test_a_socket_broken_pipe_is_still_an_error() -> None:
+    from switchagg.cli_util import quiet_broken_pipe
+
+    @quiet_broken_pipe
+    def main() -> int:
+        raise BrokenPipeError(32, "Broken pipe")  # stdout (pytest's capture) is fine
+
+    with pytest.raises(BrokenPipeError):
+        main()

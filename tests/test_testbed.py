@@ -161,6 +161,14 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     )  # fmt: skip
     assert ctl.returncode == 0 and "jobs" in json.loads(ctl.stdout), ctl.stderr
 
+    # | head: the relay stops writing, the ranks run to the end, exit status 0, no traceback
+    testbed = f"{sys.executable} -m switchagg.testbed.cli"
+    piped = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {testbed} run --name {NAME} -- seq 200000 | head -1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert piped.returncode == 0 and piped.stderr == "" and piped.stdout.endswith(" 1\n"), piped
+
     failing = _cli("run", "--name", NAME, "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
     assert failing.returncode in (3, 4), failing.stderr
 

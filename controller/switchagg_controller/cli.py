@@ -32,7 +32,7 @@ import grpc
 
 from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
-from switchagg.cli_util import add_version
+from switchagg.cli_util import add_version, quiet_broken_pipe, stdout_closed
 
 if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
@@ -653,6 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -665,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and stdout_closed():
+            raise  # the reader went away (| head): quiet_broken_pipe ends it with 0
         from switchagg_controller.jobs import JobError
         from switchagg_controller.topology import TopologyError
 

@@ -32,7 +32,7 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from switchagg import _core
-from switchagg.cli_util import add_version
+from switchagg.cli_util import add_version, quiet_broken_pipe
 from switchagg.protocol import (
     DEFAULT_SW_K,
     DEFAULT_SW_SLOTS,
@@ -441,6 +441,7 @@ def _job_name(text: str) -> tuple[int, str]:
     return int(job), name
 
 
+@quiet_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -16,7 +16,7 @@ from multiprocessing.synchronize import Event as EventType
 import numpy as np
 
 from switchagg import protocol
-from switchagg.cli_util import add_version
+from switchagg.cli_util import add_version, quiet_broken_pipe
 
 
 def _inputs(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,6 +55,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, key: int, out: mp.Qu
         out.put(("result", rank, False, False, float("inf"), 0.0, {}, f"{type(e).__name__}: {e}"))
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="switchagg-demo", description=__doc__)
     add_version(p)

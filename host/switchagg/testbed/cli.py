@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
-from switchagg.cli_util import add_version
+from switchagg.cli_util import add_version, quiet_broken_pipe, silence_stdout
 from switchagg.testbed import netns, racks, tools
 from switchagg.testbed.racks import SPINE_IP, Racks
 from switchagg.testbed.service import (
@@ -308,10 +308,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def relay(rank: int, p: subprocess.Popen[str]) -> None:
         assert p.stdout is not None
-        for line in p.stdout:
+        for line in p.stdout:  # read to the end, also once stdout is gone: the ranks must not block
             with lock:
-                sys.stdout.write(f"[h{rank}] {line}")
-                sys.stdout.flush()
+                try:
+                    sys.stdout.write(f"[h{rank}] {line}")
+                    sys.stdout.flush()
+                except BrokenPipeError:  # the reader went away (| head): the ranks run on
+                    silence_stdout()
 
     relays = [threading.Thread(target=relay, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     for t in relays:
@@ -400,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not NAME.match(args.name):

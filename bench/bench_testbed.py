@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from switchagg.cli_util import parse_rate
 from switchagg.testing.progress import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +287,13 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=16, help=argparse.SUPPRESS)
-    p.add_argument("--rates", type=float, nargs="+", default=[1000, 200], help="link rates, Mbit/s")
+    p.add_argument(
+        "--rates",
+        type=parse_rate,
+        nargs="+",
+        default=[1000, 200],
+        help="link rates: Mbit/s, or 1gbit, 200mbit",
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="MB of float32")
     p.add_argument("--reps", type=int, default=2, help="timed allreduces per point (median)")

@@ -1,6 +1,6 @@
 """Two-level aggregation against the ring and against one flat aggregator, on racks whose uplinks
 are capped below the worker links (switchagg.testbed.racks: R racks x W workers, one leaf
-namespace per rack, a spine; worker links capped at --worker-mbit, uplinks at --uplink-mbit,
+namespace per rack, a spine; worker links capped at --rate, uplinks at --uplink-rate,
 both ways, by tbf). Same run, same links:
 
 * two-level: a software leaf per rack sums its workers and sends one partial over the uplink;
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from switchagg.cli_util import add_renamed, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -182,8 +184,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--racks", type=int, default=2)
     p.add_argument("--per-rack", type=int, default=4, help="workers per rack")
-    p.add_argument("--worker-mbit", type=float, default=400.0, help="worker link rate, Mbit/s")
-    p.add_argument("--uplink-mbit", type=float, default=200.0, help="leaf-spine link rate, Mbit/s")
+    # --rate/--uplink-rate, as switchagg-testbed up --racks (Mbit/s, or tc's units: 400mbit, 1gbit)
+    rate = p.add_argument(
+        "--rate", dest="worker_mbit", type=parse_rate, default=400.0, metavar="RATE", help="worker link rate"
+    )
+    uplink = p.add_argument(
+        "--uplink-rate",
+        dest="uplink_mbit",
+        type=parse_rate,
+        default=200.0,
+        metavar="RATE",
+        help="leaf-spine link rate",
+    )
+    add_renamed(p, "--worker-mbit", rate)
+    add_renamed(p, "--uplink-mbit", uplink)
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 32], help="MB of float32")
     p.add_argument("--reps", type=int, default=2, help="timed allreduces per point (median)")
     p.add_argument("--k", type=int, default=2048, help="elements per packet (8 KiB datagrams: jumbo frames)")

@@ -153,11 +153,11 @@ def test_ctl_read_commands_into_head_exit_0_quietly(unix_controller: Controller)
     }
     ctl = f"{sys.executable} -m switchagg_controller.cli"
     for command, lines in (
-        (f"{ctl} counters --watch 1 --count 2", 5),  # the command
-        (f"{ctl} counters --watch 0.1 --count 100", 1),  # head is gone before the second round
-        (f"{ctl} counters --json --watch 0.1 --count 100", 1),
-        (f"{ctl} top --interval 0.1 --iterations 100", 1),
-        (f"{ctl} top --json --interval 0.1 --iterations 100", 1),
+        (f"{ctl} counters --watch 1 --count 2", 5),  # the command (--watch: --interval's old name)
+        (f"{ctl} counters --interval 0.1 --count 100", 1),  # head is gone before the second round
+        (f"{ctl} counters --json --interval 0.1 --count 100", 1),
+        (f"{ctl} top --interval 0.1 --count 100", 1),
+        (f"{ctl} top --json --interval 0.1 --count 100", 1),
     ):
         r = _head(command, lines, env)
         assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), (command, r.stderr)
@@ -184,3 +184,104 @@ def test_a_socket_broken_pipe_is_still_an_error() -> None:
 
     with pytest.raises(BrokenPipeError):
         main()
+
+
+# -- rates in tc's units; one flag name per idea (old names hidden, for one release) -------------
+
+
+@pytest.mark.parametrize(
+    ("text", "mbit"),
+    [
+        ("200", 200.0),  # a bare number stays Mbit/s
+        ("0.5", 0.5),
+        ("1gbit", 1000.0),
+        ("200mbit", 200.0),
+        ("500kbit", 0.5),
+        ("1GBit", 1000.0),
+        ("2 gbit", 2000.0),
+        ("1000000bit", 1.0),
+        ("100mibit", 104.8576),
+        ("12.5mbps", 100.0),  # tc: bps is bytes per second
+        ("1e3", 1000.0),
+    ],
+)
+def test_rates_in_tc_units(text: str, mbit: float) -> None:
+    from switchagg.cli_util import parse_rate
+
+    assert parse_rate(text) == pytest.approx(mbit)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "1g", "1 mb", "fast", "", "0kbit"])
+def test_rates_refused(text: str) -> None:
+    import argparse
+
+    from switchagg.cli_util import parse_rate
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_rate(text)
+
+
+def test_testbed_up_parses_rates_and_the_data_plane() -> None:
+    from switchagg.testbed.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--racks", "2,2", "--rate", "1gbit", "--uplink-rate", "200mbit"])
+    assert (args.rate, args.uplink_rate, args.data_plane) == (1000.0, 200.0, "soft")
+    assert parser.parse_args(["up", "--rate", "500kbit"]).rate == 0.5
+    assert parser.parse_args(["up", "--rate", "200"]).rate == 200.0
+    assert parser.parse_args(["up", "--data-plane", "software"]).data_plane == "soft"
+    assert parser.parse_args(["up", "--data-plane", "soft"]).data_plane == "soft"  # the old name
+    assert parser.parse_args(["up", "--data-plane", "bmv2"]).data_plane == "bmv2"
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["up", "--rate", "1g"], "tc's units"),
+        (["up", "--uplink-rate", "0"], "positive"),
+        (["up", "--data-plane", "p4"], "software or bmv2"),
+    ],
+)
+def test_testbed_up_refuses(argv: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from switchagg.testbed.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def _subparser_help(parser: object, command: str) -> str:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return str(action.choices[command].format_help())
+    raise AssertionError(command)
+
+
+def test_one_flag_name_per_idea_old_names_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    from switchagg.testbed.cli import build_parser as testbed_parser
+    from switchagg_controller.cli import build_parser as ctl_parser
+
+    ctl = ctl_parser()
+    for command in ("counters", "top"):  # again and again: --interval SECONDS, --count N
+        text = _subparser_help(ctl, command)
+        assert "--interval SECONDS" in text and "--count N" in text
+        assert "--watch" not in text and "--iterations" not in text
+    args = ctl.parse_args(["counters", "--interval", "0.5", "--count", "3"])
+    assert (args.interval, args.count) == (0.5, 3)
+    assert ctl.parse_args(["counters"]).interval is None  # once
+    assert ctl.parse_args(["top"]).interval == 2.0
+    capsys.readouterr()
+    # the old names still work, and say the new one
+    args = ctl.parse_args(["counters", "--watch", "1", "--count", "2"])
+    assert (args.interval, args.count) == (1.0, 2)
+    assert "--watch is now --interval" in capsys.readouterr().err
+    args = ctl.parse_args(["top", "--iterations", "4", "--interval", "0.5"])
+    assert (args.interval, args.count) == (0.5, 4)
+    assert "--iterations is now --count" in capsys.readouterr().err
+    # the software aggregator: switchagg-ctl serve --software, switchagg-testbed up --data-plane software
+    assert "--software " in _subparser_help(ctl, "serve")
+    up = _subparser_help(testbed_parser(), "up")
+    assert "{software,bmv2}" in up and "soft," not in up and "MBIT" not in up

@@ -178,10 +178,12 @@ def test_heartbeat_teardown_and_counters(controller: Controller) -> None:
     assert jobclient.heartbeat(controller.address, SECRET, a) == a.generation
     listing = controller.ctl("jobs", *controller.client_args()).stdout
     assert "solo" in listing and f"{a.slot_base}..{a.slot_base + a.slot_count - 1}" in listing
-    counters = controller.ctl("counters", *controller.client_args(), "--watch", "0.1", "--count", "2").stdout
+    counters = controller.ctl(
+        "counters", *controller.client_args(), "--interval", "0.1", "--count", "2"
+    ).stdout
     assert counters.count("[software]") == 2 and "bad_version" in counters
     lines = controller.ctl(
-        "counters", *controller.client_args(), "--json", "--watch", "0.1", "--count", "2"
+        "counters", *controller.client_args(), "--json", "--interval", "0.1", "--count", "2"
     ).stdout.splitlines()
     assert len(lines) == 2  # JSON lines: one object per round
     for line in lines:

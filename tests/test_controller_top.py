@@ -97,7 +97,7 @@ def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path
             "the job runs",
         )
         out = software_controller.ctl(
-            "top", *software_controller.client_args(), "--json", "--iterations", "2", "--interval", "0.5"
+            "top", *software_controller.client_args(), "--json", "--count", "2", "--interval", "0.5"
         ).stdout.splitlines()
         assert len(out) == 2
         frames = [json.loads(line) for line in out]

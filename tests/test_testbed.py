@@ -122,7 +122,7 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     env = cli_env
     up = _cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
     assert up.returncode == 0, up.stderr
-    again = _cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
+    again = _cli("up", "--name", NAME, "-n", "2", "--rate", "100mbit", env=env)  # tc's units: the same
     assert again.returncode == 0 and "up already" in again.stdout, again.stderr
     other = _cli("up", "--name", NAME, "-n", "3", env=env)
     assert other.returncode == 1 and "down" in other.stderr
@@ -202,7 +202,7 @@ def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: di
     assert up.returncode == 0, up.stderr
     assert "leaves at 10.212.1.254, 10.212.2.254, spine at 10.212.0.254" in up.stdout
     bad = _cli("up", "--name", "other", "--racks", "2,2", "--data-plane", "bmv2", env=env)
-    assert bad.returncode == 1 and "--data-plane soft" in bad.stderr
+    assert bad.returncode == 1 and "--data-plane software" in bad.stderr
 
     size = 200_000  # 800 kB per worker: the uplinks' share is measurable
     script = (

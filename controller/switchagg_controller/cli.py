@@ -5,8 +5,8 @@ switchagg-ctl serve ... --metrics-port 9400 [--metrics-host 0.0.0.0]
 switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--fallback]
 switchagg-ctl push --topology topo.yaml
 switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
-switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--watch 2]
-switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--once] [--json]
+switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--count N]
+switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--count N | --once] [--json]
 switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
 
 The client commands take --service, --secret and --secret-file from $SWITCHAGG_JOB_SERVICE,
@@ -32,7 +32,7 @@ import grpc
 
 from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
-from switchagg.cli_util import add_version, quiet_broken_pipe, stdout_closed
+from switchagg.cli_util import add_renamed, add_version, quiet_broken_pipe, stdout_closed
 
 if TYPE_CHECKING:
     from switchagg.aggregator import AggregatorHandle
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 
 DEFAULT_SERVICE = "127.0.0.1:50051"
+DEFAULT_INTERVAL = 2.0  # seconds between rounds: counters --count, top
 
 
 class CliError(Exception):
@@ -94,6 +95,27 @@ def _add_client(p: argparse.ArgumentParser) -> None:
 
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (one object per line) for scripts")
+
+
+def _add_repeat(p: argparse.ArgumentParser, what: str, once: bool) -> tuple[argparse.Action, argparse.Action]:
+    """The one spelling of "again and again" (counters, top): --interval SECONDS, --count N."""
+    interval = p.add_argument(
+        "--interval",
+        type=float,
+        default=None if once else DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"repeat every SECONDS (default: once; with --count: {DEFAULT_INTERVAL:g})"
+        if once
+        else "seconds between reads (default %(default)s)",
+    )
+    count = p.add_argument(
+        "--count",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"stop after N {what} (default 0: {'with --interval, ' if once else ''}until interrupted)",
+    )
+    return interval, count
 
 
 def _add_p4(p: argparse.ArgumentParser) -> None:
@@ -429,7 +451,7 @@ def format_counters(reply: jobs_pb2.CountersReply) -> str:
 
 
 def _print_json(value: object) -> None:
-    print(json.dumps(value, sort_keys=True), flush=True)  # one line: --watch gives JSON lines
+    print(json.dumps(value, sort_keys=True), flush=True)  # one line: --interval gives JSON lines
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -450,8 +472,12 @@ def _teardown(args: argparse.Namespace) -> int:
 
 
 def _counters(args: argparse.Namespace) -> int:
-    if args.watch is not None and args.watch <= 0:
-        raise CliError("--watch needs a positive number of seconds")
+    if args.interval is not None and args.interval <= 0:
+        raise CliError("--interval needs a positive number of seconds")
+    if args.count < 0:
+        raise CliError("--count needs a number of rounds (0: until interrupted)")
+    repeat = args.interval is not None or args.count > 0
+    interval = DEFAULT_INTERVAL if args.interval is None else args.interval
     rounds = 0
     while True:
         if args.topology:
@@ -468,9 +494,9 @@ def _counters(args: argparse.Namespace) -> int:
             else:
                 print(format_counters(reply), flush=True)
         rounds += 1
-        if args.watch is None or (args.count and rounds >= args.count):
+        if not repeat or (args.count and rounds >= args.count):
             return 0
-        time.sleep(args.watch)
+        time.sleep(interval)
         if not args.json:
             print(flush=True)
 
@@ -521,7 +547,9 @@ def _top(args: argparse.Namespace) -> int:
 
     if args.interval <= 0:
         raise CliError("--interval needs a positive number of seconds")
-    iterations = 1 if args.once else args.iterations
+    if args.count < 0:
+        raise CliError("--count needs a number of refreshes (0: until interrupted)")
+    iterations = 1 if args.once else args.count
     secret = _secret(args)
 
     def read() -> top.Snapshot:
@@ -630,15 +658,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client(p)
     p.add_argument("--topology", help="read the P4 switch directly instead of asking the job service")
     _add_p4(p)
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
-    p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many rounds")
+    interval, _ = _add_repeat(p, "rounds", once=True)
+    add_renamed(p, "--watch", interval)
     _add_json(p)
     p.set_defaults(func=_counters)
 
     p = sub.add_parser("top", help="a refreshing table of jobs, their rates, losses and slots")
     _add_client(p)
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between reads (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: never)")
+    _, count = _add_repeat(p, "refreshes", once=False)
+    add_renamed(p, "--iterations", count)
     p.add_argument("--once", action="store_true", help="one refresh (two reads) and exit")
     _add_json(p)
     p.set_defaults(func=_top)

@@ -1,15 +1,15 @@
 """switchagg-testbed: an emulated rack on this host (root), for training and benchmarks.
 
-    switchagg-testbed up -n 4 --rate 1000          # 4 workers, 1 Gbit/s links, software aggregator
+    switchagg-testbed up -n 4 --rate 1gbit         # 4 workers, 1 Gbit/s links, software aggregator
     switchagg-testbed run -- python3 -c 'import os; print(os.environ["RANK"])'
     switchagg-testbed run -- torchrun --nnodes {n} --node-rank {rank} --nproc-per-node 1 \\
         --master-addr {master} --master-port 29500 examples/train_digits.py --backend switchagg
     switchagg-testbed status
     switchagg-testbed down
-    switchagg-testbed up --racks 4,4 --rate 400 --uplink-rate 200   # two levels: leaves, a spine
+    switchagg-testbed up --racks 4,4 --rate 400mbit --uplink-rate 200mbit   # two levels: leaves, a spine
 
 `up` builds the namespaces and links (switchagg.testbed.topology) and starts the job service
-(`switchagg-ctl serve`) in the switch namespace: with `--data-plane soft` it serves jobs on its
+(`switchagg-ctl serve`) in the switch namespace: with `--data-plane software` it serves jobs on its
 software aggregator at 10.201.0.254, with `bmv2` it programs simple_switch_grpc. `run` starts the
 command once per worker namespace, with RANK/WORLD_SIZE/MASTER_ADDR and the SWITCHAGG_* variables
 that point the torch backend at the job service; {rank}, {n}, {ip} and {master} in the command are
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
-from switchagg.cli_util import add_version, quiet_broken_pipe, silence_stdout
+from switchagg.cli_util import add_version, parse_rate, quiet_broken_pipe, silence_stdout
 from switchagg.testbed import netns, racks, tools
 from switchagg.testbed.racks import SPINE_IP, Racks
 from switchagg.testbed.service import (
@@ -152,7 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be positive (Mbit/s)")
     if spec["racks"]:
         if spec["data_plane"] != "soft":
-            raise CliError("--racks runs software leaves and spine: --data-plane soft")
+            raise CliError("--racks runs software leaves and spine: --data-plane software")
         if not 1 <= len(spec["racks"]) <= racks.MAX_RACKS:
             raise CliError(f"--racks names 1..{racks.MAX_RACKS} racks")
     elif spec["uplink_rate_mbit"] is not None:
@@ -181,16 +181,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     state = {"spec": spec, "prefix": bed.prefix, "pids": pids, "created": time.time()}
     (workdir / "state.json").write_text(json.dumps(state, indent=1))
-    rate = f"{spec['rate_mbit']} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    rate = f"{spec['rate_mbit']:g} Mbit/s" if spec["rate_mbit"] else "uncapped"
     workers = ", ".join(e.ip for e in bed.endpoints)
     if isinstance(bed, Racks):
-        uplinks = f"{spec['uplink_rate_mbit']} Mbit/s" if spec["uplink_rate_mbit"] else "uncapped"
+        uplinks = f"{spec['uplink_rate_mbit']:g} Mbit/s" if spec["uplink_rate_mbit"] else "uncapped"
         where = (
             f"racks {spec['racks']}, leaves at {', '.join(leaf.worker_ip for leaf in bed.leaves)}, "
             f"spine at {SPINE_IP}, worker links {rate}, uplinks {uplinks}"
         )
     else:
-        where = f"{spec['data_plane']} data plane at {AGG_IP}, links {rate}"
+        where = f"{_plane_name(spec)} data plane at {AGG_IP}, links {rate}"
     print(
         f"testbed {args.name}: {spec['n']} workers ({workers}), {where}, MTU {bed.mtu}; "
         f"job service unix:{workdir / 'jobs.sock'}; switchagg-ctl reaches it with:"
@@ -250,9 +250,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0 if report["up"] else 1
     spec = state["spec"]
-    rate = f"{spec['rate_mbit']} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    rate = f"{spec['rate_mbit']:g} Mbit/s" if spec["rate_mbit"] else "uncapped"
     print(f"testbed {args.name}: {'up' if report['up'] else 'BROKEN (run down, then up)'}")
-    print(f"  {spec['n']} workers, {spec['data_plane']} data plane, links {rate}")
+    print(f"  {spec['n']} workers, {_plane_name(spec)} data plane, links {rate}")
     print(
         "  processes: "
         + ", ".join(f"{k} {'running' if v else 'GONE'}" for k, v in report["processes"].items())
@@ -361,6 +361,20 @@ def _racks(text: str) -> list[int]:
     return counts
 
 
+def _data_plane(text: str) -> str:
+    """``software`` (the name switchagg-ctl serve --software and the job service use) or ``bmv2``;
+    ``soft``, the former name, still accepted. The spec (state.json) keeps ``soft``."""
+    if text in ("software", "soft"):
+        return "soft"
+    if text in DATA_PLANES:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: choose software or bmv2")
+
+
+def _plane_name(spec: dict[str, Any]) -> str:
+    return "software" if spec["data_plane"] == "soft" else str(spec["data_plane"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchagg-testbed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -374,15 +388,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = named(sub.add_parser("up", help="build the testbed and start its job service (idempotent)"))
     p.add_argument("-n", "--workers", type=int, default=4, help="worker namespaces (default %(default)s)")
-    p.add_argument("--data-plane", choices=DATA_PLANES, default="soft", help="default %(default)s")
     p.add_argument(
-        "--rate", type=float, metavar="MBIT", help="cap every (worker) link at MBIT Mbit/s each way (tbf)"
+        "--data-plane",
+        type=_data_plane,
+        default="soft",
+        metavar="{software,bmv2}",
+        help="the switch: the software aggregator (as switchagg-ctl serve --software) or bmv2 "
+        "(default software)",
+    )
+    p.add_argument(
+        "--rate",
+        type=parse_rate,
+        metavar="RATE",
+        help="cap every (worker) link each way (tbf): Mbit/s, or tc's units: 1gbit, 200mbit, 500kbit",
     )
     p.add_argument(
         "--racks", type=_racks, metavar="N,N,...", help="workers per rack: leaves behind a spine (two levels)"
     )
-    p.add_argument("--uplink-rate", type=float, metavar="MBIT", help="with --racks: cap each leaf's uplink")
-    p.add_argument("--mtu", type=int, help="link MTU (default 9000 soft, 1500 bmv2)")
+    p.add_argument(
+        "--uplink-rate",
+        type=parse_rate,
+        metavar="RATE",
+        help="with --racks: cap each leaf's uplink (as --rate)",
+    )
+    p.add_argument("--mtu", type=int, help="link MTU (default 9000 software, 1500 bmv2)")
     p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K of the software aggregator")
     p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")
     p.set_defaults(func=cmd_up)

@@ -152,7 +152,7 @@ def cap_rate(ns: str, ifname: str, mbit: float) -> None:
     limit = max(QUEUE_BYTES, int(rate_bytes * 0.1))
     sh(
         "tc", "qdisc", "replace", "dev", ifname, "root", "tbf",
-        "rate", f"{mbit}mbit", "burst", str(burst), "limit", str(limit), ns=ns,
+        "rate", f"{max(1, round(mbit * 1e6))}bit", "burst", str(burst), "limit", str(limit), ns=ns,
     )  # fmt: skip
 
 

@@ -119,9 +119,11 @@ def _add_repeat(p: argparse.ArgumentParser, what: str, once: bool) -> tuple[argp
 
 
 def _add_p4(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--p4-json", type=Path, help="bmv2 JSON (default: p4/build/switchagg.json)")
+    p.add_argument("--p4-json", type=Path, help="bmv2 JSON (default: the installed p4/build/switchagg.json)")
     p.add_argument(
-        "--p4info", type=Path, help="P4Info text or binary (default: p4/build/switchagg.p4info.txtpb)"
+        "--p4info",
+        type=Path,
+        help="P4Info text or binary (default: the installed p4/build/switchagg.p4info.txtpb)",
     )
 
 

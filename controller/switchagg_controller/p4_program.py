@@ -7,19 +7,34 @@ encodes them to the bit widths in the P4Info.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 from switchagg import protocol
 
 from .model import Job, MulticastGroup, SoftwareSpine, SwitchState, TableEntry, Topology, WorkerAddr
 
-_REPO = Path(__file__).resolve().parents[2]
-P4_SOURCE = _REPO / "p4" / "switchagg.p4"
-BMV2_JSON = _REPO / "p4" / "build" / "switchagg.json"
-P4INFO = _REPO / "p4" / "build" / "switchagg.p4info.txtpb"
+_extracted = contextlib.ExitStack()  # artifacts taken out of a zipped install, for the process
+atexit.register(_extracted.close)
+
+
+def _artifact(name: str) -> Path:
+    """p4c's output, package data: controller/switchagg_controller/p4/ links to p4/build (the one
+    copy, what p4c writes), a wheel carries the files themselves."""
+    resource = resources.files("switchagg_controller") / "p4" / name
+    if isinstance(resource, Path):
+        return resource
+    return _extracted.enter_context(resources.as_file(resource))
+
+
+BMV2_JSON = _artifact("switchagg.json")
+P4INFO = _artifact("switchagg.p4info.txtpb")
+P4_SOURCE = Path(__file__).resolve().parents[2] / "p4" / "switchagg.p4"  # the source tree only (tests)
 
 # Table and action names, as in the P4Info.
 L2_TABLE = "MyIngress.l2_forward"

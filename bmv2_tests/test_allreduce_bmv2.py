@@ -30,6 +30,14 @@ def test_allreduce_exact(n: int, bed: Any, switch: Any, tmp_path: Path) -> None:
     assert jobs[job.job_id]["aggregated"] == chunks * n
 
 
+@pytest.mark.reliability(
+    "loss",
+    "bmv2 data plane: 10% of aggregation packets dropped each way at every worker (nftables), "
+    "4 ranks x 2 allreduces",
+    sums=8,
+    recovery="every loss repaired by retransmission",
+    state="nothing: rules removed",
+)
 def test_allreduce_survives_loss(bed: Any, switch: Any, tmp_path: Path) -> None:
     eps = bed.endpoints[:4]
     job = make_job(22, eps, slot_base=128, slot_count=16, counter_index=2)

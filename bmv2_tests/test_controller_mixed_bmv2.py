@@ -118,6 +118,13 @@ def test_two_bmv2_leaves_behind_a_remote_software_spine_sum_exactly(
         c.stop()
 
 
+@pytest.mark.reliability(
+    "aggregator restarted",
+    "the software spine behind two bmv2 leaves SIGKILLed mid-job and restarted empty; the controller "
+    "reconciles it",
+    outcome="exact or failed cleanly (session timeout)",
+    state="the job reinstalled on the spine with its generation",
+)
 def test_a_software_spine_restarted_under_a_running_job_is_reconciled(
     mixed: tuple[Any, ControlledAggregator], tmp_path: Path
 ) -> None:

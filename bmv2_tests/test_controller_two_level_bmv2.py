@@ -141,6 +141,12 @@ def _read_generation(address: str, job_id: int) -> int | None:
     return None
 
 
+@pytest.mark.reliability(
+    "bmv2 restarted",
+    "a bmv2 leaf of two (bmv2 spine) restarted empty under running workers; the controller reprograms it",
+    outcome="exact or failed cleanly (session timeout)",
+    state="the leaf reprogrammed with the job's generation",
+)
 def test_a_leaf_restarted_under_running_workers_is_reprogrammed_and_no_sum_is_wrong(
     racks: Any, tmp_path: Path
 ) -> None:

@@ -71,6 +71,12 @@ def test_two_level_int32_exact_and_float32_within_bound(hierarchy: TwoLevelJob, 
     print(f"\nleaves {leaves}; spine {spine}")
 
 
+@pytest.mark.reliability(
+    "loss",
+    "two bmv2 leaves: 5% dropped each way on every worker link and uplink (nftables), {hierarchy} spine",
+    recovery="every loss repaired by retransmission (workers and leaves)",
+    state="nothing: rules removed",
+)
 def test_two_level_with_5_percent_loss_on_every_hop_is_exact(hierarchy: TwoLevelJob, tmp_path: Path) -> None:
     """nftables drops 5% of aggregation packets on every link in both directions: worker<->leaf
     (in the worker's namespace) and leaf<->spine (on the egress of both uplink ends)."""
@@ -94,6 +100,12 @@ def test_two_level_with_5_percent_loss_on_every_hop_is_exact(hierarchy: TwoLevel
     )
 
 
+@pytest.mark.reliability(
+    "bmv2 restarted",
+    "a bmv2 leaf killed mid-job and started again empty (pipeline re-installed), {hierarchy} spine",
+    outcome="exact or failed cleanly",
+    state="the leaf reprogrammed",
+)
 def test_a_restarted_leaf_completes_the_job_or_fails_it_cleanly(
     hierarchy: TwoLevelJob, tmp_path: Path
 ) -> None:

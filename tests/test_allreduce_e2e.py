@@ -39,6 +39,14 @@ def test_int32_exact_and_float32_within_bound(aggregator: SoftwareAggregator, tm
     assert c["jobs"][1]["multicast"] > 0
 
 
+@pytest.mark.reliability(
+    "duplicated packets",
+    "5% dropped and 5% duplicated each way by the aggregator's fault injector, loopback, "
+    "4 ranks x 2 allreduces",
+    sums=8,
+    recovery="every loss repaired by retransmission, every duplicate ignored",
+    state="nothing: the same bits as a loss-free run",
+)
 def test_loss_and_duplication_give_identical_results(tmp_path: Path) -> None:
     n, k, slots = 4, 128, 8
     tensors = [("int32", 20_000), ("float32", 20_000)]
@@ -67,6 +75,14 @@ def test_loss_and_duplication_give_identical_results(tmp_path: Path) -> None:
             np.testing.assert_array_equal(outs[0][rank][f"t{i}"], outs[1][rank][f"t{i}"])
 
 
+@pytest.mark.reliability(
+    "worker killed",
+    "1 of 3 ranks SIGKILLed mid-allreduce (1M int32), loopback",
+    sums=0,
+    outcome="failed cleanly: the 2 others raise SwitchaggTimeout, nothing written",
+    recovery="the session timeout (2 s)",
+    state="the job's sessions broken (open new ones); the aggregator keeps the job until removed",
+)
 def test_killed_worker_makes_the_others_fail_cleanly(aggregator: SoftwareAggregator, tmp_path: Path) -> None:
     n = 3
     procs = run_job(

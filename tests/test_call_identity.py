@@ -62,6 +62,14 @@ def _on_every_rank(sessions: list[Session], work: Callable[[int, Session], Any])
     return out
 
 
+@pytest.mark.reliability(
+    "mismatched calls",
+    "rank 0 allreduces 1M + 1M elements, rank 1 one call of 2M (int32, float32)",
+    sums=0,
+    outcome="failed cleanly: every rank's error says what differed",
+    recovery="at once (the first poisoned round)",
+    state="the job's sessions broken (open new ones)",
+)
 @pytest.mark.parametrize("dtype", [np.int32, np.float32])
 def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
     aggregator: SoftwareAggregator, dtype: type
@@ -92,6 +100,14 @@ def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
     assert aggregator.counters()["jobs"][1]["multicast"] > 0
 
 
+@pytest.mark.reliability(
+    "mismatched calls",
+    "a skipped call: rank 0's bad argument aborts it, its next call meets its peers' current one, 3 ranks",
+    sums=0,
+    outcome="failed cleanly: 'rank 0 aborted its call 1' on every rank",
+    recovery="at once (the aborted round)",
+    state="the job's sessions broken (open new ones)",
+)
 def test_a_skipped_call_fails_on_every_rank_instead_of_pairing_steps(aggregator: SoftwareAggregator) -> None:
     """Rank 0 cannot make its call (a bad argument); it must not pair its next call with its peers'
     current one: call 1 fails on every rank, saying rank 0 aborted it."""
@@ -117,6 +133,14 @@ def test_a_skipped_call_fails_on_every_rank_instead_of_pairing_steps(aggregator:
         s.close()
 
 
+@pytest.mark.reliability(
+    "mismatched calls",
+    "float32 on rank 0 against int32 on rank 1, same length",
+    sums=0,
+    outcome="failed cleanly: both dtypes named on every rank",
+    recovery="at once (the first round)",
+    state="the job's sessions broken (open new ones)",
+)
 def test_a_different_dtype_is_a_different_call(aggregator: SoftwareAggregator) -> None:
     sessions = _sessions(aggregator, 2)
     out = _on_every_rank(
@@ -151,6 +175,14 @@ def test_calls_that_agree_keep_summing_exactly(aggregator: SoftwareAggregator) -
         s.close()
 
 
+@pytest.mark.reliability(
+    "caught Inf",
+    "+Inf, +Inf against -Inf, NaN and floats above 2^127 in float32 tensors, 2 ranks",
+    sums=2,
+    outcome="exact: non-finite where gloo's sum is (its block NaN), within the bound elsewhere",
+    recovery="none needed: no error",
+    state="nothing: the session goes on",
+)
 def test_nan_and_inf_go_through_the_network_as_gloo_sums_them(aggregator: SoftwareAggregator) -> None:
     """A non-finite value on one rank is never an error and never a finite number: the element gets
     IEEE's sum (NaN absorbs, +Inf + -Inf = NaN), the other elements of its block (K of them) NaN,
@@ -218,6 +250,15 @@ def _squat(port: int, ready: int, n: int) -> None:
         s.sendto(h.pack(), src)
 
 
+@pytest.mark.reliability(
+    "squatter",
+    "an unprivileged process (uid 65534) binds the dead aggregator's port and answers every DATA with "
+    "a RESULT of 42s, 2 ranks",
+    sums=2,
+    outcome="failed cleanly: no forged sum taken (bad key), the session timeout",
+    recovery="the session timeout (2 s)",
+    state="sessions broken; nothing forged written",
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the squatter as another user (uid 65534)")
 def test_a_squatter_on_the_dead_aggregators_port_cannot_answer() -> None:
     """The aggregator dies; an unprivileged process binds its port and echoes every DATA header

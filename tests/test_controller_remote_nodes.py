@@ -18,6 +18,7 @@ from controller_support import SECRET, Controller, collect, expected_int_sum, st
 
 from switchagg.aggregator_control import ControlError, RemoteAggregator
 from switchagg.testing.control import ControlledAggregator
+from switchagg.testing.reliability import Reliability
 from switchagg_controller.allocation import TWO_LEVEL
 from switchagg_controller.hierarchy import parse_two_level
 from switchagg_controller.topology import TopologyError
@@ -130,7 +131,14 @@ def test_remote_spine_and_leaves_sum_exactly(tmp_path: Path) -> None:
             a.stop()
 
 
-def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path) -> None:
+@pytest.mark.reliability(
+    "aggregator restarted",
+    "two-level through the controller: a remote leaf (switchagg-aggregator --control) SIGKILLed "
+    "mid-job, restarted empty on its address and reconciled, 4 ranks",
+    recovery="exact: the controller reinstalls the job; failed: the session timeout",
+    state="the job reinstalled on the restarted leaf",
+)
+def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path, reliability: Reliability) -> None:
     nodes = _nodes(tmp_path)
     for a in nodes:
         a.start()
@@ -175,6 +183,9 @@ def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path) -> N
         # docs/PROTOCOL.md, Restarting a leaf: exact, or every worker fails with its session
         # timeout (a round some local worker had finished); never a wrong sum.
         codes = [code for code, _, _ in outcomes]
+        reliability.record(
+            sums=ROUNDS * codes.count(0), outcome="exact" if codes == [0] * 4 else "failed cleanly"
+        )
         if codes == [0, 0, 0, 0]:
             for _, out, _ in outcomes:
                 assert json.loads(out.strip().splitlines()[-1])["exact"] == ROUNDS

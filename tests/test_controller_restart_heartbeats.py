@@ -32,6 +32,14 @@ def _allreduce_exact(pool: ThreadPoolExecutor, sessions: list[Session], step: in
         assert np.array_equal(x, expected), f"rank {s.rank}: wrong sum after step {step}"
 
 
+@pytest.mark.reliability(
+    "controller restarted",
+    "switchagg-ctl serve and its embedded aggregator SIGKILLed between allreduces of a running job, "
+    "restarted on its state file, then idle for 3x --reap-timeout, 2 ranks (gRPC over TCP and a Unix socket)",
+    sums=3 * N,
+    recovery="the job reinstalled (new generation) and heartbeats back within seconds",
+    state="the job kept (reloaded from the state file)",
+)
 @pytest.mark.parametrize("listen", ["tcp", "unix"])
 def test_a_job_outlives_a_controller_restart_and_a_long_idle_phase(tmp_path: Path, listen: str) -> None:
     udp = free_port(socket.SOCK_DGRAM)  # the restarted aggregator listens where the workers send

@@ -17,6 +17,7 @@ from switchagg.protocol import UDP_PORT
 from switchagg.testbed import tools
 from switchagg.testing.checks import check_results, inputs, result_file
 from switchagg.testing.hierarchy import Layout, Node, run_hierarchy
+from switchagg.testing.reliability import Reliability
 
 RACKS = [2, 2]
 N = sum(RACKS)
@@ -58,6 +59,14 @@ def test_two_level_int32_exact_and_float32_within_bound(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.reliability(
+    "duplicated packets",
+    "two-level (2 leaves x 2 workers + spine): 5% dropped and 5% duplicated in and out of every leaf "
+    "and the spine (fault injector), 2 allreduces",
+    sums=2 * N,
+    recovery="every loss repaired, every duplicate ignored",
+    state="nothing: the same bits as a loss-free run",
+)
 def test_two_level_with_faults_on_every_node_is_exact(tmp_path: Path) -> None:
     """5% drops and duplicates in and out of every leaf and the spine (the aggregators' fault
     injector, no root needed): every hop loses packets both ways, the sums stay exact and equal to
@@ -87,7 +96,16 @@ def test_two_level_with_faults_on_every_node_is_exact(tmp_path: Path) -> None:
             np.testing.assert_array_equal(a[f"t{i}"], b[f"t{i}"])
 
 
-def test_a_restarted_leaf_completes_the_job_or_fails_it_cleanly(tmp_path: Path) -> None:
+@pytest.mark.reliability(
+    "aggregator restarted",
+    "two-level: leaf 0 (a switchagg-aggregator process) SIGKILLed mid-job and restarted empty, 4 ranks x "
+    "400 allreduces",
+    recovery="exact: the workers' resends rebuild the rounds; failed: the session timeout (5 s)",
+    state="a failed job's sessions broken; the restarted leaf holds the job",
+)
+def test_a_restarted_leaf_completes_the_job_or_fails_it_cleanly(
+    tmp_path: Path, reliability: Reliability
+) -> None:
     """Leaf 0 is killed mid-job and started again with empty slots. Its workers' resends rebuild
     every round none of them had finished; a round that one finished and another did not (a
     result lost at the moment of the kill) cannot be rebuilt, and then every worker fails with the
@@ -108,6 +126,8 @@ def test_a_restarted_leaf_completes_the_job_or_fails_it_cleanly(tmp_path: Path) 
     assert set(codes) <= {0, 3}, [p.stderr[-2000:] for p in o.workers]
     restarted = o.leaves[0]["jobs"]["1"]
     assert restarted["aggregated"] > 0  # the restart was mid-job: its workers came back to it
+    exact = codes.count(0) == len(codes)
+    reliability.record(sums=len(tensors) * codes.count(0), outcome="exact" if exact else "failed cleanly")
     if all(c == 0 for c in codes):
         stats = check_results(1, N, k, tensors, tmp_path)
         assert restarted["aggregated"] > 0 and restarted["upstream"] > 0  # the job went on through it
@@ -129,6 +149,14 @@ def test_a_restarted_leaf_completes_the_job_or_fails_it_cleanly(tmp_path: Path) 
 NETNS_REASON = tools.missing_for(["ip", "tc", "nft"], "the two-level namespace test")
 
 
+@pytest.mark.reliability(
+    "loss",
+    "two-level racks in namespaces: 5% dropped each way on every worker link and uplink (nftables), "
+    "4 ranks x 3 allreduces",
+    sums=3 * N,
+    recovery="every loss repaired by retransmission (workers and leaves)",
+    state="nothing: namespaces and rules removed",
+)
 @pytest.mark.skipif(NETNS_REASON is not None, reason=NETNS_REASON or "")
 def test_two_level_with_5_percent_loss_on_every_hop_in_namespaces(tmp_path: Path) -> None:
     """Workers, leaves and the spine in their own namespaces; nftables drops 5% of aggregation

@@ -40,7 +40,7 @@ def _packet(rng: np.random.Generator, cfg: dict, kind: str) -> bytes:
     if kind == "random":
         return rng.bytes(int(rng.integers(0, 2 * k + 64)))
     if kind == "bad_version":
-        h.version = int(rng.integers(2, 256))
+        h.version = (protocol.VERSION + int(rng.integers(1, 256))) % 256  # any but the real one
     elif kind == "bad_type":
         h.type = int(rng.choice([0, protocol.MSG_RESULT, 3, 255]))
     elif kind == "unknown_job":

@@ -14,15 +14,21 @@
 #include <v1model.p4>
 
 /* Must equal host/switchagg/protocol.py (tests/test_protocol_consistency.py checks). */
-const bit<8>  VERSION      = 1;
+const bit<8>  VERSION      = 2;
 const bit<16> UDP_PORT     = 48879;
 const bit<8>  MSG_DATA     = 1;
 const bit<8>  MSG_RESULT   = 2;
 const bit<16> P4_K         = 64;
 const bit<32> P4_NUM_SLOTS = 1024;
 const bit<16> POOL_SLOT_MASK = 0x7FFF;
+const bit<8>  FLAG_PRIME    = 0x01;
+const bit<8>  FLAG_FLOAT    = 0x02;
+const bit<8>  FLAG_ABORT    = 0x04;
+const bit<8>  FLAG_MISMATCH = 0x08;
+const bit<8>  IDENTITY_FLAGS = 0x03;    /* PRIME | FLOAT: part of a contribution's call identity */
+const bit<8>  POISON_FLAGS   = 0x0C;    /* ABORT | MISMATCH: the round carries no sum */
 
-const bit<16> AGG_UDP_LEN = 8 + 16 + 4 * 64;    /* UDP header + agg header + K values */
+const bit<16> AGG_UDP_LEN = 8 + 28 + 4 * 64;    /* UDP header + agg header + K values */
 const bit<16> AGG_IP_LEN  = 20 + AGG_UDP_LEN;
 const bit<32> NUM_SETS    = 2 * P4_NUM_SLOTS;    /* (slot, shadow set) pairs */
 const bit<32> MAX_JOBS    = 64;                  /* size of the per-job counter arrays */
@@ -47,8 +53,10 @@ const bit<3> OUT_UPSTREAM_RESENT = 5;    /* leaf: the first local rank's resend 
 
 /* The K = 64 payload values are separate header fields (so the parser, the checksum and the
  * aggregation action can name them); this X-macro repeats a statement for each index. */
-#define FOR_EACH_VALUE(X) \
-    X(0)  X(1)  X(2)  X(3)  X(4)  X(5)  X(6)  X(7)  X(8)  X(9)  X(10) X(11) X(12) X(13) X(14) X(15) \
+#define FOR_EACH_VALUE(X) X(0) X(1) X(2) X(3) FOR_EACH_DATA_VALUE(X)
+/* The values after the first MISMATCH_INFO_LEN = 4, which a poisoned round uses to say who differed. */
+#define FOR_EACH_DATA_VALUE(X) \
+                      X(4)  X(5)  X(6)  X(7)  X(8)  X(9)  X(10) X(11) X(12) X(13) X(14) X(15) \
     X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(24) X(25) X(26) X(27) X(28) X(29) X(30) X(31) \
     X(32) X(33) X(34) X(35) X(36) X(37) X(38) X(39) X(40) X(41) X(42) X(43) X(44) X(45) X(46) X(47) \
     X(48) X(49) X(50) X(51) X(52) X(53) X(54) X(55) X(56) X(57) X(58) X(59) X(60) X(61) X(62) X(63)
@@ -107,6 +115,9 @@ header agg_t {
     bit<16> pool;     /* bit 15: shadow set, bits 0-14: slot */
     bit<16> elems;
     bit<32> offset;
+    bit<32> call;     /* the job's call sequence number */
+    bit<32> total;    /* elements in the call's tensor */
+    bit<32> key;      /* RESULT: the job's result key; DATA: 0 */
 }
 
 #define VALUE_FIELD(i) bit<32> v##i;
@@ -136,6 +147,7 @@ struct metadata_t {
     bit<16> slot_count;
     bit<16> generation;
     bit<32> counter_index;
+    bit<32> key;              /* written into every RESULT of the job */
     /* from the job table, a leaf's job only (set_job: leaf = 0, m = n) */
     bit<1>  leaf;
     bit<8>  m;                /* local ranks: a slot is complete when all m contributed */
@@ -153,8 +165,6 @@ struct metadata_t {
     /* the aggregation decision, carried into egress (copied into multicast replicas) */
     bit<3>  outcome;
     bit<1>  stored;           /* a spine RESULT was the answer to this leaf's partial */
-    bit<32> partial_offset;   /* offset and flags of the partial this leaf sent up */
-    bit<8>  partial_flags;
     bit<1>  to_spine;
     bit<1>  is_result;
     bit<1>  multicast;
@@ -195,14 +205,14 @@ parser MyParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         }
     }
 
-    /* A UDP payload shorter than the 16-byte header leaves hdr.agg invalid (ingress counts it
+    /* A UDP payload shorter than the 28-byte header leaves hdr.agg invalid (ingress counts it
      * as truncated); the values are parsed only when the length is exactly right, so a packet
      * of another length keeps hdr.vals invalid. A length field that lies about a short packet
      * makes extract fail (parser_error), which ingress also counts as truncated. */
     state check_agg_len {
         transition select(hdr.udp.length_) {
-            0 &&& 0xFFF0: accept;     /* 0..15  */
-            16 &&& 0xFFF8: accept;    /* 16..23 */
+            0 &&& 0xFFE0: accept;     /* 0..31  */
+            32 &&& 0xFFFC: accept;    /* 32..35 */
             default: parse_agg;
         }
     }
@@ -235,10 +245,15 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     register<bit<8>>(NUM_SETS) count;
     register<bit<8>>(NUM_SETS) max_exp;
     register<bit<32>>(NUM_SETS * 64) values;
-    /* Leaf jobs only: the set holds the spine's result; the offset and flags of its partial. */
+    /* The round's identity, from its first contribution, and the poison it got (docs/PROTOCOL.md,
+     * Call identity); a leaf's partial carries them up. */
+    register<bit<32>>(NUM_SETS) round_call;
+    register<bit<32>>(NUM_SETS) round_total;
+    register<bit<32>>(NUM_SETS) round_offset;
+    register<bit<8>>(NUM_SETS) round_flags;
+    register<bit<8>>(NUM_SETS) poison;
+    /* Leaf jobs only: the set holds the spine's result. */
     register<bit<1>>(NUM_SETS) final;
-    register<bit<32>>(NUM_SETS) partial_offset;
-    register<bit<8>>(NUM_SETS) partial_flags;
 
     counter(NUM_DROP_REASONS, CounterType.packets_and_bytes) drops;
     counter(MAX_JOBS, CounterType.packets_and_bytes) aggregated;
@@ -295,8 +310,9 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     }
 
     action set_job(bit<8> n, bit<16> mgrp, bit<16> slot_base, bit<16> slot_count,
-                   bit<16> generation, bit<32> counter_index) {
+                   bit<16> generation, bit<32> counter_index, bit<32> key) {
         meta.job_found = 1;
+        meta.key = key;
         meta.n = n;
         meta.mgrp = mgrp;
         meta.slot_base = slot_base;
@@ -311,8 +327,8 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     action set_leaf_job(bit<8> n, bit<8> m, bit<16> first_local, bit<16> leaf_index, bit<16> mgrp,
                         bit<16> slot_base, bit<16> slot_count, bit<16> generation,
                         bit<32> counter_index, port_t up_port, mac_t spine_mac, ip4_t spine_ip,
-                        bit<16> spine_udp_port) {
-        set_job(n, mgrp, slot_base, slot_count, generation, counter_index);
+                        bit<16> spine_udp_port, bit<32> key) {
+        set_job(n, mgrp, slot_base, slot_count, generation, counter_index, key);
         meta.leaf = 1;
         meta.m = m;
         meta.first_local = first_local;
@@ -355,15 +371,26 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         size = 2048;
     }
 
+/* A poisoned round adds nothing more; the contribution that poisons it writes, into values 0..3,
+ * who differed: from its payload if it carries that (an abort, a poisoned partial), else its
+ * rank, call, total and flags. */
 #define VALUE_UPDATE(i) \
         values.read(old, base + i); \
-        sum = is_new ? (first ? hdr.vals.v##i : old + hdr.vals.v##i) : old; \
+        sum = is_new ? (first ? hdr.vals.v##i : (adds ? old + hdr.vals.v##i : old)) : old; \
+        values.write(base + i, sum); \
+        hdr.vals.v##i = sum;
+#define VALUE_UPDATE_INFO(i, info) \
+        values.read(old, base + i); \
+        sum = is_new ? (first ? hdr.vals.v##i \
+                      : (adds ? old + hdr.vals.v##i : (poisons ? (carries ? hdr.vals.v##i : (info)) : old))) \
+              : old; \
         values.write(base + i, sum); \
         hdr.vals.v##i = sum;
 
     /* The whole read-modify-write of one slot: bmv2 runs an action atomically with respect to
      * the registers it uses. Written with ?: (no branches) so every target compiles it. On
-     * return hdr.agg.exp and hdr.vals hold the slot's state, i.e. the result if it is complete. */
+     * return hdr.agg and hdr.vals hold the slot's state (identity, poison, exponent, values), i.e.
+     * the result if it is complete. */
     action aggregate_slot() {
         bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
         bit<32> shadow = (bit<32>)(hdr.agg.pool >> 15);
@@ -389,15 +416,21 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         bm_o = fresh ? 32w0 : bm_o;
         cnt_s = fresh ? 8w0 : cnt_s;
         cnt_o = fresh ? 8w0 : cnt_o;
+        bit<32> rc;
+        bit<32> rt;
+        bit<32> po;
+        bit<8> pf;
+        bit<8> ps;
+        round_call.read(rc, si);
+        round_total.read(rt, si);
+        round_offset.read(po, si);
+        round_flags.read(pf, si);
+        poison.read(ps, si);
         /* Leaf state (written for every job; only a leaf's job reads it). */
         bit<1> fin_s;
         bit<1> fin_o;
-        bit<32> po;
-        bit<8> pf;
         final.read(fin_s, si);
         final.read(fin_o, so);
-        partial_offset.read(po, si);
-        partial_flags.read(pf, si);
         fin_s = fresh ? 1w0 : fin_s;
         fin_o = fresh ? 1w0 : fin_o;
 
@@ -410,10 +443,25 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         /* signed max: flipping the sign bit maps int8 order onto unsigned order */
         bool pkt_bigger = (hdr.agg.exp ^ 0x80) > (e_s ^ 0x80);
         e_s = is_new ? ((first || pkt_bigger) ? hdr.agg.exp : e_s) : e_s;
+        /* Call identity: a contribution that differs from the round's first poisons the round. */
+        bool differs = hdr.agg.call != rc || hdr.agg.total != rt || hdr.agg.offset != po
+                       || (hdr.agg.flags & IDENTITY_FLAGS) != (pf & IDENTITY_FLAGS);
+        bit<8> pkt_poison = hdr.agg.flags & POISON_FLAGS;
+        bit<8> new_poison = pkt_poison | (differs ? FLAG_MISMATCH : 8w0);
+        bool carries = pkt_poison != 0;
+        bool poisons = is_new && !first && ps == 0 && new_poison != 0;
+        bool adds = is_new && !first && ps == 0 && new_poison == 0;
         bool opens = is_new && first;    /* the first contribution of a round on this set */
-        fin_s = opens ? 1w0 : fin_s;
+        bit<32> info_rank = (bit<32>)hdr.agg.rank;
+        bit<32> info_call = hdr.agg.call;
+        bit<32> info_total = hdr.agg.total;
+        bit<32> info_flags = (bit<32>)hdr.agg.flags;
+        ps = opens ? pkt_poison : (is_new ? (ps | new_poison) : ps);
+        rc = opens ? hdr.agg.call : rc;
+        rt = opens ? hdr.agg.total : rt;
         po = opens ? hdr.agg.offset : po;
         pf = opens ? hdr.agg.flags : pf;
+        fin_s = opens ? 1w0 : fin_s;
 
         bitmap.write(si, bm_s);
         bitmap.write(so, bm_o);
@@ -422,13 +470,20 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         max_exp.write(si, e_s);
         final.write(si, fin_s);
         final.write(so, fin_o);
-        partial_offset.write(si, po);
-        partial_flags.write(si, pf);
+        round_call.write(si, rc);
+        round_total.write(si, rt);
+        round_offset.write(si, po);
+        round_flags.write(si, pf);
+        poison.write(si, ps);
 
         bit<32> base = si * 64;
         bit<32> old;
         bit<32> sum;
-        FOR_EACH_VALUE(VALUE_UPDATE)
+        VALUE_UPDATE_INFO(0, info_rank)
+        VALUE_UPDATE_INFO(1, info_call)
+        VALUE_UPDATE_INFO(2, info_total)
+        VALUE_UPDATE_INFO(3, info_flags)
+        FOR_EACH_DATA_VALUE(VALUE_UPDATE)
 
         /* One level: complete when all n contributed. A leaf: when all m local ranks did; it
          * answers a resend itself only once the spine's result is in (final). */
@@ -441,9 +496,11 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
                       : (first_local ? OUT_UPSTREAM_RESENT : OUT_RETRANS_IGNORED)));
         meta.outcome = is_new ? (complete ? (leaf ? OUT_UPSTREAM : OUT_MULTICAST) : OUT_AGGREGATED)
                               : resend;
-        meta.partial_offset = po;
-        meta.partial_flags = pf;
         hdr.agg.exp = e_s;
+        hdr.agg.flags = pf | ps;
+        hdr.agg.offset = po;
+        hdr.agg.call = rc;
+        hdr.agg.total = rt;
     }
 
 #define VALUE_STORE(i) \
@@ -451,27 +508,36 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
         values.write(base + i, ok ? hdr.vals.v##i : old);
 
     /* A leaf takes the spine's RESULT for a slot only as the answer to its partial: the slot is
-     * of this installation, locally complete, not final yet, and the offset and flags match the
-     * partial's. Then the result replaces the partial and the set is final. */
+     * of this installation, locally complete, not final yet, the result carries the job's key and
+     * the partial's identity (call, total, offset, PRIME/FLOAT). Then the result replaces the
+     * partial, its poison is kept, and the set is final. */
     action store_result() {
         bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
         bit<32> si = 2 * slot + (bit<32>)(hdr.agg.pool >> 15);
         bit<16> gen;
         bit<8> cnt_s;
         bit<1> fin_s;
+        bit<32> rc;
+        bit<32> rt;
         bit<32> po;
         bit<8> pf;
+        bit<8> ps;
         bit<8> e_s;
         slot_gen.read(gen, slot);
         count.read(cnt_s, si);
         final.read(fin_s, si);
-        partial_offset.read(po, si);
-        partial_flags.read(pf, si);
+        round_call.read(rc, si);
+        round_total.read(rt, si);
+        round_offset.read(po, si);
+        round_flags.read(pf, si);
+        poison.read(ps, si);
         max_exp.read(e_s, si);
-        bool ok = gen == meta.generation && cnt_s == meta.m && fin_s == 0
-                  && hdr.agg.offset == po && hdr.agg.flags == pf;
+        bool ok = gen == meta.generation && cnt_s == meta.m && fin_s == 0 && hdr.agg.key == meta.key
+                  && hdr.agg.call == rc && hdr.agg.total == rt && hdr.agg.offset == po
+                  && (hdr.agg.flags & IDENTITY_FLAGS) == (pf & IDENTITY_FLAGS);
         final.write(si, ok ? 1w1 : fin_s);
         max_exp.write(si, ok ? hdr.agg.exp : e_s);
+        poison.write(si, ok ? (hdr.agg.flags & POISON_FLAGS) : ps);
         bit<32> base = si * 64;
         bit<32> old;
         FOR_EACH_VALUE(VALUE_STORE)
@@ -479,13 +545,12 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     }
 
     /* Turn the DATA packet into this leaf's partial for the spine: a worker's DATA with rank = the
-     * leaf index, the slot's value and exponent (aggregate_slot left them in the header), and the
-     * offset and flags of the round's first contribution; from this leaf's address. */
+     * leaf index, the slot's value, exponent, round identity and poison (aggregate_slot left them
+     * in the header), no key; from this leaf's address. */
     action make_partial() {
         meta.to_spine = 1;
         hdr.agg.rank = meta.leaf_index;
-        hdr.agg.offset = meta.partial_offset;
-        hdr.agg.flags = meta.partial_flags;
+        hdr.agg.key = 0;
         hdr.ethernet.dstAddr = meta.spine_mac;
         hdr.ethernet.srcAddr = meta.agg_mac;
         hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
@@ -499,6 +564,7 @@ control MyIngress(inout headers_t hdr, inout metadata_t meta,
     action make_result() {
         meta.is_result = 1;
         hdr.agg.type = MSG_RESULT;
+        hdr.agg.key = meta.key;
         hdr.ethernet.srcAddr = meta.agg_mac;
         hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
         hdr.udp.srcPort = UDP_PORT;
@@ -664,7 +730,8 @@ control MyComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
             { hdr.ipv4.srcAddr, hdr.ipv4.dstAddr, 8w0, hdr.ipv4.protocol, hdr.udp.length_,
               hdr.udp.srcPort, hdr.udp.dstPort, hdr.udp.length_,
               hdr.agg.version, hdr.agg.type, hdr.agg.flags, hdr.agg.exp, hdr.agg.job,
-              hdr.agg.rank, hdr.agg.pool, hdr.agg.elems, hdr.agg.offset
+              hdr.agg.rank, hdr.agg.pool, hdr.agg.elems, hdr.agg.offset, hdr.agg.call,
+              hdr.agg.total, hdr.agg.key
               FOR_EACH_VALUE(VALUE_CSUM) },
             hdr.udp.checksum, HashAlgorithm.csum16);
     }

@@ -74,6 +74,8 @@ def test_p4_constants_match_protocol_py() -> None:
     for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "P4_K", "P4_NUM_SLOTS", "POOL_SLOT_MASK"):
         assert p4[name] == getattr(protocol, name), name
     assert p4["AGG_UDP_LEN"] == 8 + protocol.packet_len(protocol.P4_K)
+    for name in ("FLAG_PRIME", "FLAG_FLOAT", "FLAG_ABORT", "FLAG_MISMATCH", "IDENTITY_FLAGS", "POISON_FLAGS"):
+        assert p4[name] == getattr(protocol, name), name
     for reason, index in protocol.DROP_INDEX.items():
         assert p4[f"DROP_{reason.upper()}"] == index, reason
     assert p4["NUM_DROP_REASONS"] == len(protocol.DROP_REASONS)

@@ -79,11 +79,12 @@ def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
 
     def work(rank: int, s: Session) -> list[np.ndarray]:
         if rank == 0:
-            a, b = np.ones(1_000_000, dtype), np.ones(1_000_000, dtype)
+            a: np.ndarray = np.ones(1_000_000, dtype)
+            b: np.ndarray = np.ones(1_000_000, dtype)
             s.allreduce(a)
             s.allreduce(b)
             return [a, b]
-        c = np.full(2_000_000, 2, dtype)
+        c: np.ndarray = np.full(2_000_000, 2, dtype)
         s.allreduce(c)
         return [c]
 

@@ -1,6 +1,7 @@
-/* switchagg._core.Aggregator: the software aggregator, the algorithm of docs/PROTOCOL.md in C.
+/* The software aggregator engine, the algorithm of docs/PROTOCOL.md in C.
  *
- * One UDP socket, served by run() with the GIL released: recvmmsg a batch, process it under the
+ * One UDP socket, served by sa_agg_serve (the binding, aggregator_py.c, releases the GIL around it):
+ * recvmmsg a batch, process it under the
  * state mutex (so add_job/remove_job/counters from other threads see whole batches), sendmmsg
  * the results. No allocation on the per-packet path.
  *
@@ -8,32 +9,31 @@
  * the code is the same) or as a leaf of a two-level job (docs/PROTOCOL.md, Two levels): it sums its
  * local ranks and sends the partial to its spine, and multicasts the spine's RESULT. */
 #define _GNU_SOURCE
+#include "aggregator.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <pthread.h>
-#include <stdatomic.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "clock.h"
+#include "sockets.h"
 
-#define BATCH 64                     /* datagrams per recvmmsg */
-#define RX_BUF 65536                 /* > largest UDP payload, so nothing is cut */
-#define OUT_MSGS 512                 /* queued results before a forced flush */
 #define OUT_PAYLOADS 64              /* result payload buffers before a forced flush */
-#define POLL_MS 50                   /* how soon stop() and signals are noticed */
-#define NJOB_IDS 65536
-#define NUM_SLOTS (SA_POOL_SLOT_MASK + 1)
+#define POLL_MS 50                   /* how soon stop() and the tick are noticed */
 
-enum { F_DROPPED_IN, F_DUPLICATED_IN, F_DROPPED_OUT, F_DUPLICATED_OUT, F_N };
-static const char *const fault_names[F_N] = {"dropped_in", "duplicated_in", "dropped_out", "duplicated_out"};
+const char *const sa_fault_names[SA_F_N] = {"dropped_in", "duplicated_in", "dropped_out", "duplicated_out"};
 /* Same order as enum sa_drop and protocol.DROP_REASONS. */
-static const char *const drop_names[SA_DROP_NREASONS] = {"bad_version", "bad_type", "unknown_job", "bad_rank",
-                                                         "spoofed",     "bad_pool", "truncated"};
+const char *const sa_drop_names[SA_DROP_NREASONS] = {"bad_version", "bad_type", "unknown_job", "bad_rank",
+                                                     "spoofed",     "bad_pool", "truncated"};
+const char *const sa_job_counter_names[SA_JOB_COUNTERS] = {"aggregated", "multicast", "resent", "retrans_ignored",
+                                                           "upstream", "upstream_resent", "stale_results"};
 
 struct job {
     uint16_t id, gen;
@@ -63,38 +63,6 @@ struct job {
     /* Leaf only, per state index: the value is the spine's result. */
     uint8_t *final;
 };
-
-struct out_msg {
-    struct sa_header head;
-    const uint8_t *payload;
-    size_t payload_len;
-    struct sockaddr_in dst;
-};
-
-typedef struct {
-    PyObject_HEAD int fd;
-    int port;
-    char host[INET_ADDRSTRLEN];
-    double drop_in, dup_in, drop_out, dup_out;
-    uint64_t rng;
-    pthread_mutex_t lock;
-    atomic_int stop_requested;
-    atomic_int running;
-    /* Protected by lock: */
-    struct job **jobs;               /* by job id */
-    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[F_N];
-    /* Owned by the thread in run(): */
-    uint8_t *rx_bufs;
-    struct mmsghdr rx_msgs[BATCH];
-    struct iovec rx_iov[BATCH];
-    struct sockaddr_in rx_addr[BATCH];
-    struct out_msg out[OUT_MSGS];
-    size_t n_out;
-    uint8_t *out_payloads;           /* OUT_PAYLOADS x RX_BUF */
-    size_t n_payloads;
-    struct mmsghdr tx_msgs[OUT_MSGS];
-    struct iovec tx_iov[OUT_MSGS][2];
-} Aggregator;
 
 static void job_free(struct job *j) {
     if (j == NULL) return;
@@ -130,7 +98,7 @@ SA_KERNEL static void k_add(uint32_t *restrict v, const uint32_t *restrict p, ui
     for (uint32_t e = 0; e < k; e++) v[e] += __builtin_bswap32(p[e]);
 }
 
-static void flush_out(Aggregator *a) {
+static void flush_out(struct sa_agg *a) {
     size_t m = a->n_out;
     for (size_t i = 0; i < m; i++) {
         struct out_msg *o = &a->out[i];
@@ -161,27 +129,27 @@ static void flush_out(Aggregator *a) {
 }
 
 /* Payload buffers are reused only after a flush, so no queued message points at a reused one. */
-static uint8_t *take_payload(Aggregator *a) {
+static uint8_t *take_payload(struct sa_agg *a) {
     if (a->n_payloads == OUT_PAYLOADS) {
         flush_out(a);
         a->n_payloads = 0;
     }
-    return a->out_payloads + (a->n_payloads++) * RX_BUF;
+    return a->out_payloads + (a->n_payloads++) * SA_RX_BUF;
 }
 
-static void queue_msg(Aggregator *a, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
+static void queue_msg(struct sa_agg *a, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
                       const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
     int copies = 1;
     if (a->drop_out > 0 && sa_rand01(&a->rng) < a->drop_out) {
-        a->faults[F_DROPPED_OUT]++;
+        a->faults[SA_F_DROPPED_OUT]++;
         return;
     }
     if (a->dup_out > 0 && sa_rand01(&a->rng) < a->dup_out) {
-        a->faults[F_DUPLICATED_OUT]++;
+        a->faults[SA_F_DUPLICATED_OUT]++;
         copies = 2;
     }
     for (int c = 0; c < copies; c++) {
-        if (a->n_out == OUT_MSGS) flush_out(a); /* keeps the payload buffers: more copies may follow */
+        if (a->n_out == SA_OUT_MSGS) flush_out(a); /* keeps the payload buffers: more copies may follow */
         struct out_msg *o = &a->out[a->n_out++];
         o->head = *h;
         o->head.type = type;
@@ -213,7 +181,7 @@ static struct sa_header round_header(const struct job *j, uint32_t pool, size_t 
 }
 
 /* Result payload of state index si, converted to network order in a fresh output buffer. */
-static const uint8_t *encode_result(Aggregator *a, const struct job *j, size_t si) {
+static const uint8_t *encode_result(struct sa_agg *a, const struct job *j, size_t si) {
     uint8_t *buf = take_payload(a);
     k_load((uint32_t *)buf, j->values + si * j->k, j->k); /* a byte swap is its own inverse */
     return buf;
@@ -224,13 +192,13 @@ static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y) {
 }
 
 /* RESULT(value[si]) to rank r alone. */
-static void unicast(Aggregator *a, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
+static void unicast(struct sa_agg *a, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
     struct sa_header rh = round_header(j, pool, si);
     queue_msg(a, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(a, j, si), 4 * (size_t)j->k, &j->addrs[r]);
 }
 
 /* RESULT(value[si]) to every rank with an address here. */
-static void multicast(Aggregator *a, struct job *j, uint32_t pool, size_t si) {
+static void multicast(struct sa_agg *a, struct job *j, uint32_t pool, size_t si) {
     struct sa_header rh = round_header(j, pool, si);
     const uint8_t *out = encode_result(a, j, si);
     for (uint32_t q = 0; q < j->n; q++) {
@@ -241,7 +209,7 @@ static void multicast(Aggregator *a, struct job *j, uint32_t pool, size_t si) {
 }
 
 /* A leaf's partial of state index si to the spine: a worker's DATA with rank = the leaf index. */
-static void send_partial(Aggregator *a, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
+static void send_partial(struct sa_agg *a, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
     struct sa_header up = round_header(j, slot | (s ? SA_POOL_SET_BIT : 0), si);
     up.key = 0; /* a DATA carries no key */
     const uint8_t *out = encode_result(a, j, si);
@@ -250,7 +218,7 @@ static void send_partial(Aggregator *a, const struct job *j, uint32_t slot, uint
 
 /* The slot a packet of job j addresses (its index in the job and its shadow set), or 0 with the
  * drop counted when the slot is not the job's or the payload is not exactly K values. */
-static int job_slot(Aggregator *a, const struct job *j, const struct sa_header *h, size_t len,
+static int job_slot(struct sa_agg *a, const struct job *j, const struct sa_header *h, size_t len,
                     uint32_t *local, uint32_t *s) {
     uint32_t pool = ntohs(h->pool);
     uint32_t slot = pool & SA_POOL_SLOT_MASK;
@@ -268,7 +236,7 @@ static int job_slot(Aggregator *a, const struct job *j, const struct sa_header *
 }
 
 /* A RESULT: only a leaf takes one, only from its spine, and only as the answer to its partial. */
-static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+static void process_result(struct sa_agg *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     const struct sa_header *h = (const struct sa_header *)buf;
     struct job *j = a->jobs[ntohs(h->job)];
     if (j == NULL || !j->leaf) { /* what a worker sent by mistake, as in one level */
@@ -301,7 +269,7 @@ static void process_result(Aggregator *a, const uint8_t *buf, size_t len, const 
     multicast(a, j, ntohs(h->pool), si);
 }
 
-static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+static void process(struct sa_agg *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     if (len < SA_HEADER_LEN) {
         a->drops[SA_DROP_TRUNCATED]++;
         return;
@@ -410,380 +378,188 @@ static void process(Aggregator *a, const uint8_t *buf, size_t len, const struct 
     }
 }
 
-/* ---- Python type ---- */
+/* ---- the engine's interface (aggregator.h) ---- */
 
-static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", "drop_in", "dup_in", "drop_out", "dup_out", "seed", NULL};
-    const char *host = "127.0.0.1";
-    int port = 0;
-    unsigned long long seed = 1;
-    double drop_in = 0, dup_in = 0, drop_out = 0, dup_out = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|siddddK", kwlist, &host, &port, &drop_in, &dup_in, &drop_out,
-                                     &dup_out, &seed))
-        return -1;
-    if (self->fd >= 0) {
-        PyErr_SetString(PyExc_RuntimeError, "Aggregator is already initialised");
-        return -1;
-    }
-    const double probs[4] = {drop_in, dup_in, drop_out, dup_out};
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs[4], uint64_t seed, char *err,
+                size_t errlen) {
     const char *pnames[4] = {"drop_in", "dup_in", "drop_out", "dup_out"};
-    for (int i = 0; i < 4; i++) {
-        if (!(probs[i] >= 0.0 && probs[i] <= 1.0)) {
-            char num[64];
-            snprintf(num, sizeof num, "%g", probs[i]);
-            PyErr_Format(PyExc_ValueError, "%s must be a probability in [0, 1], got %s", pnames[i], num);
-            return -1;
-        }
-    }
-    if (port < 0 || port > 65535) {
-        PyErr_Format(PyExc_ValueError, "port must be in 0..65535, got %d", port);
-        return -1;
-    }
+    for (int i = 0; i < 4; i++)
+        if (!(probs[i] >= 0.0 && probs[i] <= 1.0))
+            return fail(err, errlen, "%s must be a probability in [0, 1], got %g", pnames[i], probs[i]);
+    if (port < 0 || port > 65535) return fail(err, errlen, "port must be in 0..65535, got %d", port);
     struct sockaddr_in sa;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
-        return -1;
-    }
-    /* Kept if an earlier __init__ failed after allocating. */
-    if (self->jobs == NULL) self->jobs = calloc(NJOB_IDS, sizeof *self->jobs);
-    if (self->rx_bufs == NULL) self->rx_bufs = malloc((size_t)BATCH * RX_BUF);
-    if (self->out_payloads == NULL) self->out_payloads = malloc((size_t)OUT_PAYLOADS * RX_BUF);
-    if (self->jobs == NULL || self->rx_bufs == NULL || self->out_payloads == NULL) {
-        PyErr_NoMemory();
-        return -1;
+    if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+        return fail(err, errlen, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
+    if (a->jobs == NULL) a->jobs = calloc(SA_NJOB_IDS, sizeof *a->jobs);
+    if (a->rx_bufs == NULL) a->rx_bufs = malloc((size_t)SA_BATCH * SA_RX_BUF);
+    if (a->out_payloads == NULL) a->out_payloads = malloc((size_t)OUT_PAYLOADS * SA_RX_BUF);
+    if (a->jobs == NULL || a->rx_bufs == NULL || a->out_payloads == NULL) {
+        errno = ENOMEM;
+        return -2;
     }
     int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
+    if (fd < 0) return -2;
     sa_set_sockbuf(fd, 64 << 20);
     if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        int err = errno;
+        int e = errno;
         close(fd);
-        errno = err;
-        PyErr_Format(PyExc_OSError, "cannot bind the aggregator to %s:%d: %s", host, port, strerror(err));
-        return -1;
+        return fail(err, errlen, "cannot bind the aggregator to %s:%d: %s", host, port, strerror(e));
     }
     socklen_t sl = sizeof sa;
     getsockname(fd, (struct sockaddr *)&sa, &sl);
-    self->fd = fd;
-    self->port = ntohs(sa.sin_port);
-    snprintf(self->host, sizeof self->host, "%s", host);
-    self->drop_in = drop_in;
-    self->dup_in = dup_in;
-    self->drop_out = drop_out;
-    self->dup_out = dup_out;
+    a->fd = fd;
+    a->port = ntohs(sa.sin_port);
+    snprintf(a->host, sizeof a->host, "%s", host);
+    a->drop_in = probs[0];
+    a->dup_in = probs[1];
+    a->drop_out = probs[2];
+    a->dup_out = probs[3];
     /* splitmix the seed so that small seeds give unrelated streams; xorshift needs non-zero state */
-    uint64_t z = (uint64_t)seed + 0x9E3779B97F4A7C15ull;
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    self->rng = (z ^ (z >> 31)) | 1;
-    for (int i = 0; i < BATCH; i++) {
-        self->rx_iov[i].iov_base = self->rx_bufs + (size_t)i * RX_BUF;
-        self->rx_iov[i].iov_len = RX_BUF;
+    a->rng = (z ^ (z >> 31)) | 1;
+    for (int i = 0; i < SA_BATCH; i++) {
+        a->rx_iov[i].iov_base = a->rx_bufs + (size_t)i * SA_RX_BUF;
+        a->rx_iov[i].iov_len = SA_RX_BUF;
     }
     return 0;
 }
 
-static PyObject *Aggregator_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    Aggregator *self = (Aggregator *)type->tp_alloc(type, 0);
-    if (self == NULL) return NULL;
-    self->fd = -1;
-    pthread_mutex_init(&self->lock, NULL);
-    return (PyObject *)self;
-}
-
-static void Aggregator_dealloc(Aggregator *self) {
-    if (self->fd >= 0) close(self->fd);
-    if (self->jobs != NULL) {
-        for (int i = 0; i < NJOB_IDS; i++) job_free(self->jobs[i]);
-        free(self->jobs);
-    }
-    free(self->rx_bufs);
-    free(self->out_payloads);
-    pthread_mutex_destroy(&self->lock);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static int check_open(Aggregator *self) {
-    if (self->fd < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "Aggregator is closed or was not initialised");
-        return -1;
-    }
-    return 0;
-}
-
-/* One (ip, port) tuple; `what` names it in errors. */
-static int parse_addr(PyObject *item, const char *what, struct sockaddr_in *out) {
-    const char *ip;
-    int port;
-    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "si", &ip, &port)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "%s must be an (ip: str, port: int) tuple, got %R", what, item);
-        return -1;
-    }
-    memset(out, 0, sizeof *out);
-    out->sin_family = AF_INET;
-    if (port < 1 || port > 65535 || inet_pton(AF_INET, ip, &out->sin_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "%s = %R is not an IPv4 address with a port in 1..65535", what, item);
-        return -1;
-    }
-    out->sin_port = htons((uint16_t)port);
-    if (out->sin_addr.s_addr == htonl(INADDR_ANY)) {
-        PyErr_Format(PyExc_ValueError, "%s = %R: 0.0.0.0 is no source address; name the one it sends from", what,
-                     item);
-        return -1;
-    }
-    return 0;
-}
-
-/* addrs[r] = rank r's address; on a leaf (allow_none) None marks a rank behind another leaf. */
-static int parse_addrs(PyObject *addrs, uint32_t n, int allow_none, struct sockaddr_in *out, uint32_t *mask) {
-    PyObject *seq = PySequence_Fast(addrs, "addrs must be a list of (ip, port) tuples, one per rank");
-    if (seq == NULL) return -1;
-    if ((uint32_t)PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "addrs must name one (ip, port) per rank: %u expected, got %zd", n,
-                     PySequence_Fast_GET_SIZE(seq));
-        Py_DECREF(seq);
-        return -1;
-    }
-    *mask = 0;
-    for (uint32_t r = 0; r < n; r++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, r);
-        memset(&out[r], 0, sizeof out[r]);
-        if (item == Py_None && allow_none) continue;
-        char what[32];
-        snprintf(what, sizeof what, "addrs[%u]", r);
-        if (parse_addr(item, what, &out[r]) < 0) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        for (uint32_t q = 0; q < r; q++) {
-            if ((*mask >> q & 1) && same_addr(&out[q], &out[r])) { /* one socket, two ranks */
-                PyErr_Format(PyExc_ValueError, "addrs[%u] and addrs[%u] are the same address %R", q, r, item);
-                Py_DECREF(seq);
-                return -1;
-            }
-        }
-        *mask |= 1u << r;
-    }
-    if (*mask == 0) {
-        PyErr_SetString(PyExc_ValueError, "addrs names no rank: a leaf needs at least one local rank");
-        Py_DECREF(seq);
-        return -1;
-    }
-    Py_DECREF(seq);
-    return 0;
-}
-
-static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs",
-                             "upstream", "leaf_index", "key", NULL};
-    long long job_id, n, base, count, k, gen, leaf_index = 0, key = 0;
-    PyObject *addrs, *upstream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OLL", kwlist, &job_id, &n, &base, &count, &k, &gen,
-                                     &addrs, &upstream, &leaf_index, &key))
-        return NULL;
-    if (check_open(self) < 0) return NULL;
-    if (job_id < 0 || job_id >= NJOB_IDS)
-        return PyErr_Format(PyExc_ValueError, "job_id must be in 0..65535, got %lld", job_id);
-    if (n < 1 || n > SA_MAX_WORKERS)
-        return PyErr_Format(PyExc_ValueError, "n (workers) must be in 1..%d, got %lld", SA_MAX_WORKERS, n);
-    if (k < 1 || k > SA_MAX_K)
-        return PyErr_Format(PyExc_ValueError, "k must be in 1..%d, got %lld", SA_MAX_K, k);
-    if (count < 1 || base < 0 || base + count > NUM_SLOTS)
-        return PyErr_Format(PyExc_ValueError,
-                            "slot range [%lld, %lld) must be non-empty and inside the pool 0..%d", base,
-                            base + count, NUM_SLOTS - 1);
-    if (gen < 1 || gen > 65535)
-        return PyErr_Format(PyExc_ValueError,
-                            "generation must be in 1..65535 (0 means never installed), got %lld", gen);
-    if (leaf_index < 0 || leaf_index >= SA_MAX_WORKERS)
-        return PyErr_Format(PyExc_ValueError, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %lld",
-                            SA_MAX_WORKERS - 1, leaf_index);
-    if (key < 0 || key > 0xFFFFFFFFll)
-        return PyErr_Format(PyExc_ValueError, "key must be a 32-bit unsigned number, got %lld", key);
-    if (upstream == Py_None && leaf_index != 0)
-        return PyErr_Format(PyExc_ValueError, "leaf_index is %lld but no upstream is given", leaf_index);
+int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, size_t errlen) {
+    if (spec->n < 1 || spec->n > SA_MAX_WORKERS)
+        return fail(err, errlen, "n (workers) must be in 1..%d, got %u", SA_MAX_WORKERS, spec->n);
+    if (spec->k < 1 || spec->k > SA_MAX_K) return fail(err, errlen, "k must be in 1..%d, got %u", SA_MAX_K, spec->k);
+    if (spec->count < 1 || (uint64_t)spec->base + spec->count > SA_NUM_SLOTS)
+        return fail(err, errlen, "slot range [%u, %llu) must be non-empty and inside the pool 0..%d", spec->base,
+                    (unsigned long long)spec->base + spec->count, SA_NUM_SLOTS - 1);
+    if (spec->gen < 1)
+        return fail(err, errlen, "generation must be in 1..65535 (0 means never installed), got %u", spec->gen);
+    if (spec->leaf_index >= SA_MAX_WORKERS)
+        return fail(err, errlen, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %u",
+                    SA_MAX_WORKERS - 1, spec->leaf_index);
+    if (!spec->leaf && spec->leaf_index != 0)
+        return fail(err, errlen, "leaf_index is %u but no upstream is given", spec->leaf_index);
+    if (spec->local_mask == 0) return fail(err, errlen, "addrs names no rank: a leaf needs at least one local rank");
     struct job *j = calloc(1, sizeof *j);
-    if (j == NULL) return PyErr_NoMemory();
-    j->id = (uint16_t)job_id;
-    j->gen = (uint16_t)gen;
-    j->n = (uint32_t)n;
-    j->base = (uint32_t)base;
-    j->count = (uint32_t)count;
-    j->k = (uint32_t)k;
-    j->key = (uint32_t)key;
-    j->leaf = upstream != Py_None;
-    j->leaf_index = (uint16_t)leaf_index;
-    if ((j->leaf && parse_addr(upstream, "upstream", &j->upstream) < 0) ||
-        parse_addrs(addrs, j->n, j->leaf, j->addrs, &j->local_mask) < 0) {
-        job_free(j);
-        return NULL;
-    }
+    if (j == NULL) goto nomem;
+    j->id = spec->id;
+    j->gen = spec->gen;
+    j->n = spec->n;
+    j->base = spec->base;
+    j->count = spec->count;
+    j->k = spec->k;
+    j->key = spec->key;
+    j->leaf = spec->leaf;
+    j->leaf_index = spec->leaf_index;
+    j->upstream = spec->upstream;
+    memcpy(j->addrs, spec->addrs, sizeof j->addrs);
+    j->local_mask = spec->local_mask;
     j->m = (uint32_t)__builtin_popcount(j->local_mask);
     j->first_local = (uint32_t)__builtin_ctz(j->local_mask);
-    if (j->leaf && (j->final = calloc(2 * (size_t)count, sizeof *j->final)) == NULL) {
-        job_free(j);
-        return PyErr_NoMemory();
-    }
+    size_t count = spec->count;
+    if (j->leaf && (j->final = calloc(2 * count, sizeof *j->final)) == NULL) goto nomem;
     /* calloc: zero state, slot_gen 0 never equals a valid generation */
-    j->slot_gen = calloc((size_t)count, sizeof *j->slot_gen);
-    j->bitmap = calloc(2 * (size_t)count, sizeof *j->bitmap);
-    j->cnt = calloc(2 * (size_t)count, sizeof *j->cnt);
-    j->exp = calloc(2 * (size_t)count, sizeof *j->exp);
-    j->values = calloc(2 * (size_t)count * (size_t)k, sizeof *j->values);
-    j->rcall = calloc(2 * (size_t)count, sizeof *j->rcall);
-    j->rtotal = calloc(2 * (size_t)count, sizeof *j->rtotal);
-    j->roffset = calloc(2 * (size_t)count, sizeof *j->roffset);
-    j->rflags = calloc(2 * (size_t)count, sizeof *j->rflags);
-    j->poison = calloc(2 * (size_t)count, sizeof *j->poison);
+    j->slot_gen = calloc(count, sizeof *j->slot_gen);
+    j->bitmap = calloc(2 * count, sizeof *j->bitmap);
+    j->cnt = calloc(2 * count, sizeof *j->cnt);
+    j->exp = calloc(2 * count, sizeof *j->exp);
+    j->values = calloc(2 * count * (size_t)spec->k, sizeof *j->values);
+    j->rcall = calloc(2 * count, sizeof *j->rcall);
+    j->rtotal = calloc(2 * count, sizeof *j->rtotal);
+    j->roffset = calloc(2 * count, sizeof *j->roffset);
+    j->rflags = calloc(2 * count, sizeof *j->rflags);
+    j->poison = calloc(2 * count, sizeof *j->poison);
     if (!j->slot_gen || !j->bitmap || !j->cnt || !j->exp || !j->values || !j->rcall || !j->rtotal ||
-        !j->roffset || !j->rflags || !j->poison) {
-        job_free(j);
-        return PyErr_NoMemory();
+        !j->roffset || !j->rflags || !j->poison)
+        goto nomem;
+    pthread_mutex_lock(&a->lock);
+    struct job *other = a->jobs[spec->id];
+    int in_use = other != NULL;
+    for (int i = 0; i < SA_NJOB_IDS && other == NULL; i++) {
+        struct job *o = a->jobs[i];
+        if (o != NULL && j->base < o->base + o->count && o->base < j->base + j->count) other = o;
     }
-    pthread_mutex_lock(&self->lock);
-    const char *err = NULL;
-    struct job *other = NULL;
-    if (self->jobs[job_id] != NULL) {
-        err = "in use";
-        other = self->jobs[job_id];
-    } else {
-        for (int i = 0; i < NJOB_IDS && other == NULL; i++) {
-            struct job *o = self->jobs[i];
-            if (o != NULL && j->base < o->base + o->count && o->base < j->base + j->count) other = o;
-        }
-        if (other != NULL) err = "overlap";
-    }
-    if (err == NULL) self->jobs[job_id] = j;
+    if (other == NULL) a->jobs[spec->id] = j;
     uint32_t ob = other ? other->base : 0, oc = other ? other->count : 0, oid = other ? other->id : 0;
-    pthread_mutex_unlock(&self->lock);
-    if (err != NULL) {
-        job_free(j);
-        if (err[0] == 'i') return PyErr_Format(PyExc_ValueError, "job id %lld is already installed", job_id);
-        return PyErr_Format(PyExc_ValueError,
-                            "slots [%lld, %lld) of job %lld overlap slots [%u, %u) of job %u", base,
-                            base + count, job_id, ob, ob + oc, oid);
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *Aggregator_remove_job(Aggregator *self, PyObject *args) {
-    long long job_id;
-    if (!PyArg_ParseTuple(args, "L", &job_id)) return NULL;
-    if (check_open(self) < 0) return NULL;
-    struct job *j = NULL;
-    if (job_id >= 0 && job_id < NJOB_IDS) {
-        pthread_mutex_lock(&self->lock);
-        j = self->jobs[job_id];
-        self->jobs[job_id] = NULL;
-        pthread_mutex_unlock(&self->lock);
-    }
-    if (j == NULL) return PyErr_Format(PyExc_ValueError, "job %lld is not installed", job_id);
+    pthread_mutex_unlock(&a->lock);
+    if (other == NULL) return 0;
     job_free(j);
-    Py_RETURN_NONE;
+    if (in_use) return fail(err, errlen, "job id %u is already installed", spec->id);
+    return fail(err, errlen, "slots [%u, %u) of job %u overlap slots [%u, %u) of job %u", spec->base,
+                spec->base + spec->count, spec->id, ob, ob + oc, oid);
+nomem:
+    job_free(j);
+    errno = ENOMEM;
+    return -2;
 }
 
-static int set_u64(PyObject *d, const char *key, uint64_t v) {
-    PyObject *o = PyLong_FromUnsignedLongLong(v);
-    if (o == NULL) return -1;
-    int r = PyDict_SetItemString(d, key, o);
-    Py_DECREF(o);
-    return r;
+int sa_agg_remove_job(struct sa_agg *a, int job_id) {
+    struct job *j = NULL;
+    if (job_id >= 0 && job_id < SA_NJOB_IDS) {
+        pthread_mutex_lock(&a->lock);
+        j = a->jobs[job_id];
+        a->jobs[job_id] = NULL;
+        pthread_mutex_unlock(&a->lock);
+    }
+    if (j == NULL) return -1;
+    job_free(j);
+    return 0;
 }
 
-struct job_snapshot {
-    uint16_t id;
-    int leaf;
-    uint64_t c[7];
-};
-
-static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
-    if (check_open(self) < 0) return NULL;
-    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[F_N];
+int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&a->lock);
     size_t njobs = 0;
-    /* Snapshot under the lock, build Python objects after releasing it. */
-    struct job_snapshot *snap = NULL;
-    pthread_mutex_lock(&self->lock);
-    for (int i = 0; i < NJOB_IDS; i++) njobs += self->jobs[i] != NULL;
-    snap = malloc((njobs ? njobs : 1) * sizeof *snap);
-    if (snap != NULL) {
-        size_t w = 0;
-        for (int i = 0; i < NJOB_IDS; i++) {
-            struct job *j = self->jobs[i];
+    for (int i = 0; i < SA_NJOB_IDS; i++) njobs += a->jobs[i] != NULL;
+    out->jobs = malloc((njobs ? njobs : 1) * sizeof *out->jobs);
+    if (out->jobs != NULL) {
+        for (int i = 0; i < SA_NJOB_IDS; i++) {
+            struct job *j = a->jobs[i];
             if (j == NULL) continue;
-            snap[w].id = j->id;
-            snap[w].c[0] = j->aggregated;
-            snap[w].c[1] = j->multicast;
-            snap[w].c[2] = j->resent;
-            snap[w].c[3] = j->retrans_ignored;
-            snap[w].c[4] = j->upstream_sent;
-            snap[w].c[5] = j->upstream_resent;
-            snap[w].c[6] = j->stale_results;
-            snap[w].leaf = j->leaf;
-            w++;
+            struct sa_job_counters *c = &out->jobs[out->njobs++];
+            c->id = j->id;
+            c->leaf = j->leaf;
+            const uint64_t v[SA_JOB_COUNTERS] = {j->aggregated,    j->multicast,       j->resent,       j->retrans_ignored,
+                                                 j->upstream_sent, j->upstream_resent, j->stale_results};
+            memcpy(c->c, v, sizeof v);
         }
     }
-    rx = self->rx;
-    tx = self->tx;
-    memcpy(drops, self->drops, sizeof drops);
-    memcpy(faults, self->faults, sizeof faults);
-    pthread_mutex_unlock(&self->lock);
-    if (snap == NULL) return PyErr_NoMemory();
-
-    /* protocol.JOB_COUNTERS, then protocol.LEAF_COUNTERS for a leaf's job */
-    static const char *const job_names[7] = {"aggregated", "multicast", "resent", "retrans_ignored",
-                                             "upstream",   "upstream_resent", "stale_results"};
-    PyObject *res = PyDict_New(), *d = PyDict_New(), *f = PyDict_New(), *js = PyDict_New();
-    if (!res || !d || !f || !js) goto fail;
-    if (set_u64(res, "rx", rx) < 0 || set_u64(res, "tx", tx) < 0) goto fail;
-    for (int i = 0; i < SA_DROP_NREASONS; i++)
-        if (set_u64(d, drop_names[i], drops[i]) < 0) goto fail;
-    for (int i = 0; i < F_N; i++)
-        if (set_u64(f, fault_names[i], faults[i]) < 0) goto fail;
-    for (size_t w = 0; w < njobs; w++) {
-        PyObject *jd = PyDict_New(), *key = PyLong_FromLong(snap[w].id);
-        int bad = jd == NULL || key == NULL;
-        for (int c = 0; c < (snap[w].leaf ? 7 : 4) && !bad; c++) bad = set_u64(jd, job_names[c], snap[w].c[c]) < 0;
-        if (!bad) bad = PyDict_SetItem(js, key, jd) < 0;
-        Py_XDECREF(jd);
-        Py_XDECREF(key);
-        if (bad) goto fail;
+    out->rx = a->rx;
+    out->tx = a->tx;
+    memcpy(out->drops, a->drops, sizeof out->drops);
+    memcpy(out->faults, a->faults, sizeof out->faults);
+    pthread_mutex_unlock(&a->lock);
+    if (out->jobs == NULL) {
+        errno = ENOMEM;
+        return -2;
     }
-    if (PyDict_SetItemString(res, "drops", d) < 0 || PyDict_SetItemString(res, "faults", f) < 0 ||
-        PyDict_SetItemString(res, "jobs", js) < 0)
-        goto fail;
-    Py_DECREF(d);
-    Py_DECREF(f);
-    Py_DECREF(js);
-    free(snap);
-    return res;
-fail:
-    Py_XDECREF(res);
-    Py_XDECREF(d);
-    Py_XDECREF(f);
-    Py_XDECREF(js);
-    free(snap);
-    return NULL;
+    return 0;
 }
 
 /* Serve one received batch: fault injection in, the algorithm, then send what it produced. */
-static void serve_batch(Aggregator *a, int got) {
+static void serve_batch(struct sa_agg *a, int got) {
     pthread_mutex_lock(&a->lock);
     for (int i = 0; i < got; i++) {
         a->rx++;
         int times = 1;
         if (a->drop_in > 0 && sa_rand01(&a->rng) < a->drop_in) {
-            a->faults[F_DROPPED_IN]++;
+            a->faults[SA_F_DROPPED_IN]++;
             continue;
         }
         if (a->dup_in > 0 && sa_rand01(&a->rng) < a->dup_in) {
-            a->faults[F_DUPLICATED_IN]++;
+            a->faults[SA_F_DUPLICATED_IN]++;
             times = 2;
         }
         for (int t = 0; t < times; t++)
@@ -794,141 +570,76 @@ static void serve_batch(Aggregator *a, int got) {
     pthread_mutex_unlock(&a->lock);
 }
 
-static PyObject *Aggregator_run(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwlist, &timeout_obj)) return NULL;
-    if (check_open(self) < 0) return NULL;
-    uint64_t deadline = UINT64_MAX;
-    if (timeout_obj != Py_None) {
-        double t = PyFloat_AsDouble(timeout_obj);
-        if (t == -1.0 && PyErr_Occurred()) return NULL;
-        if (!(t >= 0))
-            return PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0, got %R", timeout_obj);
-        if (t < 1e9) deadline = sa_now_ns() + (uint64_t)(t * 1e9); /* longer: as good as forever */
-    }
+int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), void *ctx) {
     int expected = 0;
-    if (!atomic_compare_exchange_strong(&self->running, &expected, 1)) {
-        PyErr_SetString(PyExc_RuntimeError, "run() is already serving in another thread");
-        return NULL;
-    }
-    Py_INCREF(self); /* the object must outlive the GIL-free loop */
-    int failed_errno = 0, signalled = 0;
-    uint64_t next_signal_check = sa_now_ns() + POLL_MS * 1000000ull;
-    PyThreadState *ts = PyEval_SaveThread();
-    while (!atomic_load(&self->stop_requested)) {
+    if (!atomic_compare_exchange_strong(&a->running, &expected, 1)) return -1;
+    int rc = 0;
+    uint64_t next_tick = sa_now_ns() + POLL_MS * 1000000ull;
+    while (!atomic_load(&a->stop_requested)) {
         uint64_t now = sa_now_ns();
-        if (now >= deadline) break;
-        if (now >= next_signal_check) { /* let Ctrl-C interrupt a run() in the main thread */
-            PyEval_RestoreThread(ts);
-            signalled = PyErr_CheckSignals() < 0;
-            ts = PyEval_SaveThread();
-            if (signalled) break;
-            next_signal_check = now + POLL_MS * 1000000ull;
+        if (now >= deadline_ns) break;
+        if (tick != NULL && now >= next_tick) { /* e.g. let Ctrl-C interrupt a run() in Python's main thread */
+            if (tick(ctx)) {
+                rc = 1;
+                break;
+            }
+            next_tick = now + POLL_MS * 1000000ull;
         }
-        uint64_t wait_ms = POLL_MS, left_ms = (deadline - now) / 1000000ull;
+        uint64_t wait_ms = POLL_MS, left_ms = (deadline_ns - now) / 1000000ull;
         if (left_ms < wait_ms) wait_ms = left_ms + 1;
-        struct pollfd pfd = {.fd = self->fd, .events = POLLIN};
+        struct pollfd pfd = {.fd = a->fd, .events = POLLIN};
         int pr = poll(&pfd, 1, (int)wait_ms);
         if (pr < 0) {
             if (errno == EINTR) continue;
-            failed_errno = errno;
+            rc = errno;
             break;
         }
         if (pr == 0) continue;
-        for (int i = 0; i < BATCH; i++) {
-            memset(&self->rx_msgs[i].msg_hdr, 0, sizeof self->rx_msgs[i].msg_hdr);
-            self->rx_msgs[i].msg_hdr.msg_name = &self->rx_addr[i];
-            self->rx_msgs[i].msg_hdr.msg_namelen = sizeof self->rx_addr[i];
-            self->rx_msgs[i].msg_hdr.msg_iov = &self->rx_iov[i];
-            self->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+        for (int i = 0; i < SA_BATCH; i++) {
+            memset(&a->rx_msgs[i].msg_hdr, 0, sizeof a->rx_msgs[i].msg_hdr);
+            a->rx_msgs[i].msg_hdr.msg_name = &a->rx_addr[i];
+            a->rx_msgs[i].msg_hdr.msg_namelen = sizeof a->rx_addr[i];
+            a->rx_msgs[i].msg_hdr.msg_iov = &a->rx_iov[i];
+            a->rx_msgs[i].msg_hdr.msg_iovlen = 1;
         }
-        int got = recvmmsg(self->fd, self->rx_msgs, BATCH, MSG_DONTWAIT, NULL);
+        int got = recvmmsg(a->fd, a->rx_msgs, SA_BATCH, MSG_DONTWAIT, NULL);
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) continue;
-            failed_errno = errno;
+            rc = errno;
             break;
         }
-        serve_batch(self, got);
+        serve_batch(a, got);
     }
-    PyEval_RestoreThread(ts);
-    atomic_store(&self->stop_requested, 0);
-    atomic_store(&self->running, 0);
-    Py_DECREF(self);
-    if (signalled) return NULL;
-    if (failed_errno) {
-        errno = failed_errno;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    atomic_store(&a->stop_requested, 0);
+    atomic_store(&a->running, 0);
+    return rc;
 }
 
-static PyObject *Aggregator_stop(Aggregator *self, PyObject *unused) {
-    atomic_store(&self->stop_requested, 1);
-    Py_RETURN_NONE;
+void sa_agg_stop(struct sa_agg *a) { atomic_store(&a->stop_requested, 1); }
+
+void sa_agg_init(struct sa_agg *a) {
+    memset(a, 0, sizeof *a);
+    a->fd = -1;
+    pthread_mutex_init(&a->lock, NULL);
 }
 
-static PyObject *Aggregator_close(Aggregator *self, PyObject *unused) {
-    if (atomic_load(&self->running)) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "stop() the aggregator and wait for run() to return before close()");
-        return NULL;
-    }
-    if (self->fd >= 0) close(self->fd);
-    self->fd = -1;
-    Py_RETURN_NONE;
-}
-
-static PyObject *Aggregator_get_port(Aggregator *self, void *closure) { return PyLong_FromLong(self->port); }
-static PyObject *Aggregator_get_host(Aggregator *self, void *closure) {
-    return PyUnicode_FromString(self->host);
-}
-static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
-    return PyBool_FromLong(atomic_load(&self->running));
-}
-
-static PyMethodDef Aggregator_methods[] = {
-    {"add_job", (PyCFunction)(void (*)(void))Aggregator_add_job, METH_VARARGS | METH_KEYWORDS,
-     "add_job(job_id, n, slot_base, slot_count, k, generation, addrs, upstream=None, leaf_index=0, key=0): "
-     "install a job; addrs[r] = (ip, port) of rank r; key: the 32-bit result key every RESULT carries. With "
-     "upstream = the spine's (ip, port) the job is aggregated here as leaf leaf_index: addrs[r] is None for "
-     "ranks behind other leaves."},
-    {"remove_job", (PyCFunction)Aggregator_remove_job, METH_VARARGS, "remove_job(job_id): uninstall a job."},
-    {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "Counters as a dict (see docs/PROTOCOL.md)."},
-    {"run", (PyCFunction)(void (*)(void))Aggregator_run, METH_VARARGS | METH_KEYWORDS,
-     "run(timeout=None): serve until stop() or the timeout, GIL released."},
-    {"stop", (PyCFunction)Aggregator_stop, METH_NOARGS, "Ask run() to return (within ~50 ms)."},
-    {"close", (PyCFunction)Aggregator_close, METH_NOARGS, "Close the socket."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef Aggregator_getset[] = {
-    {"port", (getter)Aggregator_get_port, NULL, "The bound UDP port.", NULL},
-    {"host", (getter)Aggregator_get_host, NULL, "The bound IPv4 address.", NULL},
-    {"running", (getter)Aggregator_get_running, NULL, "Whether run() is serving.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject AggregatorType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "switchagg._core.Aggregator",
-    .tp_basicsize = sizeof(Aggregator),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Aggregator(host='127.0.0.1', port=0, drop_in=0.0, dup_in=0.0, drop_out=0.0, dup_out=0.0, "
-              "seed=1)\n"
-              "The software aggregator of docs/PROTOCOL.md on one UDP socket.",
-    .tp_new = Aggregator_new,
-    .tp_init = (initproc)Aggregator_init,
-    .tp_dealloc = (destructor)Aggregator_dealloc,
-    .tp_methods = Aggregator_methods,
-    .tp_getset = Aggregator_getset,
-};
-
-int sa_aggregator_register(PyObject *module) {
-    if (PyType_Ready(&AggregatorType) < 0) return -1;
-    Py_INCREF(&AggregatorType);
-    if (PyModule_AddObject(module, "Aggregator", (PyObject *)&AggregatorType) < 0) {
-        Py_DECREF(&AggregatorType);
-        return -1;
-    }
+int sa_agg_close(struct sa_agg *a) {
+    if (atomic_load(&a->running)) return -1;
+    if (a->fd >= 0) close(a->fd);
+    a->fd = -1;
     return 0;
+}
+
+void sa_agg_free(struct sa_agg *a) {
+    if (a->fd >= 0) close(a->fd);
+    a->fd = -1;
+    if (a->jobs != NULL) {
+        for (int i = 0; i < SA_NJOB_IDS; i++) job_free(a->jobs[i]);
+        free(a->jobs);
+        a->jobs = NULL;
+    }
+    free(a->rx_bufs);
+    free(a->out_payloads);
+    a->rx_bufs = a->out_payloads = NULL;
+    pthread_mutex_destroy(&a->lock);
 }

@@ -8,20 +8,25 @@
  * the retransmission timeout. Ordering by the latest transmission instead would turn one
  * worker's resend into reordering for the others. A result restarts every timer, so packets
  * queued behind others on a slow or rate-capped link are not resent just because the queue is long.
- * Everything between the Python call and its return runs here with the GIL released. */
+ * Plain C, no Python: worker_py.c is its binding (it calls sa_worker_call with the GIL released). */
 #define _GNU_SOURCE
+#include "worker.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "clock.h"
+#include "protocol.h"
 #include "quant.h"
+#include "sockets.h"
 
 #define BATCH 64
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
@@ -41,35 +46,7 @@ typedef struct {
     int queued;        /* its packet is built but waits for room in the window */
 } slot_t;
 
-typedef struct {
-    PyObject_HEAD
-    int fd;
-    struct sockaddr_in local;
-    int configured;
-    int broken; /* a failed allreduce leaves peers' slot state unknown: refuse further use */
-    char why_broken[512];
-    int busy;
-    /* job */
-    uint16_t job, rank;
-    uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
-    uint32_t call; /* the call sequence number of the latest allreduce (the next one is call + 1) */
-    int n, slot_base, slot_count, k;
-    int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
-    int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
-    uint8_t *sets; /* per slot: the shadow set of its next round, kept across allreduces */
-    uint8_t *pkts; /* per slot: the outstanding packet */
-    uint8_t *rx;   /* BATCH receive buffers */
-    size_t pkt_len;
-    /* timers */
-    uint64_t rto_ns, rto_max_ns, timeout_ns;
-    uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across allreduces */
-    /* statistics */
-    unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
-} Worker;
-
-static PyObject *SwitchaggError, *SwitchaggTimeout;
-
-static void worker_free_bufs(Worker *w) {
+static void free_bufs(struct sa_worker *w) {
     free(w->sets);
     free(w->pkts);
     free(w->rx);
@@ -78,36 +55,24 @@ static void worker_free_bufs(Worker *w) {
     w->rx = NULL;
 }
 
-static void worker_dealloc(Worker *w) {
-    if (w->fd >= 0) close(w->fd);
-    worker_free_bufs(w);
-    Py_TYPE(w)->tp_free((PyObject *)w);
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
 }
 
-/* Worker(host="127.0.0.1", port=0, rcvbuf=0): bind the socket now, so its address can be registered
- * with the control plane before the job is configured. */
-static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", "rcvbuf", NULL};
-    const char *host = "127.0.0.1";
-    int port = 0, rcvbuf = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|sii", kwlist, &host, &port, &rcvbuf)) return -1;
-    if (rcvbuf < 0) {
-        PyErr_Format(PyExc_ValueError, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
-        return -1;
-    }
+int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, char *err, size_t errlen) {
+    memset(w, 0, sizeof *w);
     w->fd = -1;
-    memset(&w->local, 0, sizeof w->local);
+    if (rcvbuf < 0) return fail(err, errlen, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
     w->local.sin_family = AF_INET;
     w->local.sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, host, &w->local.sin_addr) != 1) {
-        PyErr_Format(PyExc_ValueError, "bind address %s is not an IPv4 address", host);
-        return -1;
-    }
+    if (inet_pton(AF_INET, host, &w->local.sin_addr) != 1)
+        return fail(err, errlen, "bind address %s is not an IPv4 address", host);
     w->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
+    if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) return -2;
     socklen_t sl = sizeof w->local;
     getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
     sa_set_sockbuf(w->fd, 16 << 20);
@@ -118,50 +83,46 @@ static int worker_init(Worker *w, PyObject *args, PyObject *kw) {
 /* Receive-queue bytes one result datagram of pkt_len bytes costs: about twice its size (skb overhead). */
 static size_t result_cost(size_t pkt_len) { return 2 * pkt_len + 1024; }
 
-static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"agg_host", "agg_port", "job", "rank", "n", "slot_base", "slot_count", "k",
-                             "rto", "rto_max", "timeout", "key", NULL};
-    const char *host;
-    int port, job, rank, n, base, count, k;
-    double rto = 0.05, rto_max = 1.0, timeout = 10.0;
-    long long key = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "siiiiiii|dddL", kwlist, &host, &port, &job, &rank, &n, &base,
-                                     &count, &k, &rto, &rto_max, &timeout, &key))
-        return NULL;
-    if (w->busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
-    if (job < 0 || job > 0xffff) return PyErr_Format(PyExc_ValueError, "job id %d is not 16-bit", job);
-    if (n < 1 || n > SA_MAX_WORKERS) return PyErr_Format(PyExc_ValueError, "world size %d not in 1..32", n);
-    if (rank < 0 || rank >= n) return PyErr_Format(PyExc_ValueError, "rank %d not in 0..%d", rank, n - 1);
-    if (count < 1 || base < 0 || base + count > SA_POOL_SLOT_MASK + 1)
-        return PyErr_Format(PyExc_ValueError, "slot range %d+%d outside 0..32767", base, count);
-    if (k < 1 || k > SA_MAX_K) return PyErr_Format(PyExc_ValueError, "k=%d not in 1..%d", k, SA_MAX_K);
-    if (!(rto > 0 && rto_max >= rto && timeout > 0 && timeout < 1e9 && rto_max < 1e9))
-        return PyErr_Format(PyExc_ValueError, "need 0 < rto <= rto_max and 0 < timeout, finite");
-    if (key < 0 || key > 0xFFFFFFFFll) return PyErr_Format(PyExc_ValueError, "key %lld is not 32-bit unsigned", key);
+size_t sa_worker_rcvbuf_needed(const struct sa_worker *w) {
+    return w->configured ? (size_t)w->slot_count * result_cost(w->pkt_len) : 0;
+}
+
+int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, char *err, size_t errlen) {
+    if (w->busy) return fail(err, errlen, "an allreduce is running on this worker");
+    if (c->job < 0 || c->job > 0xffff) return fail(err, errlen, "job id %d is not 16-bit", c->job);
+    if (c->n < 1 || c->n > SA_MAX_WORKERS) return fail(err, errlen, "world size %d not in 1..32", c->n);
+    if (c->rank < 0 || c->rank >= c->n) return fail(err, errlen, "rank %d not in 0..%d", c->rank, c->n - 1);
+    if (c->slot_count < 1 || c->slot_base < 0 || c->slot_base + c->slot_count > SA_POOL_SLOT_MASK + 1)
+        return fail(err, errlen, "slot range %d+%d outside 0..32767", c->slot_base, c->slot_count);
+    if (c->k < 1 || c->k > SA_MAX_K) return fail(err, errlen, "k=%d not in 1..%d", c->k, SA_MAX_K);
+    if (!(c->rto > 0 && c->rto_max >= c->rto && c->timeout > 0 && c->timeout < 1e9 && c->rto_max < 1e9))
+        return fail(err, errlen, "need 0 < rto <= rto_max and 0 < timeout, finite");
     struct sockaddr_in agg = {0};
     agg.sin_family = AF_INET;
-    agg.sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, host, &agg.sin_addr) != 1)
-        return PyErr_Format(PyExc_ValueError, "aggregator address %s is not an IPv4 address", host);
+    agg.sin_port = htons((uint16_t)c->agg_port);
+    if (c->agg_port < 0 || c->agg_port > 65535 || inet_pton(AF_INET, c->agg_host, &agg.sin_addr) != 1)
+        return fail(err, errlen, "aggregator address %s:%d is not an IPv4 address and port", c->agg_host,
+                    c->agg_port);
     /* connect(): the kernel then only delivers datagrams from the aggregator to us. */
-    if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return PyErr_SetFromErrno(PyExc_OSError);
-    worker_free_bufs(w);
-    w->pkt_len = SA_HEADER_LEN + 4 * (size_t)k;
-    w->sets = calloc((size_t)count, 1);
-    w->pkts = malloc((size_t)count * w->pkt_len);
+    if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return -2;
+    free_bufs(w);
+    w->pkt_len = SA_HEADER_LEN + 4 * (size_t)c->k;
+    w->sets = calloc((size_t)c->slot_count, 1);
+    w->pkts = malloc((size_t)c->slot_count * w->pkt_len);
     w->rx = malloc(BATCH * w->pkt_len);
     if (!w->sets || !w->pkts || !w->rx) {
-        worker_free_bufs(w);
-        return PyErr_NoMemory();
+        free_bufs(w);
+        errno = ENOMEM;
+        return -2;
     }
-    w->job = (uint16_t)job;
-    w->rank = (uint16_t)rank;
-    w->key = (uint32_t)key;
+    w->job = (uint16_t)c->job;
+    w->rank = (uint16_t)c->rank;
+    w->key = c->key;
     w->call = 0;
-    w->n = n;
-    w->slot_base = base;
-    w->slot_count = count;
-    w->k = k;
+    w->n = c->n;
+    w->slot_base = c->slot_base;
+    w->slot_count = c->slot_count;
+    w->k = c->k;
     /* Every outstanding slot's result may sit in the receive queue at once; a datagram costs about
      * twice its size there (skb overhead, measured on loopback). A window the buffer cannot hold
      * would lose results silently and make every round a retransmission: send fewer at a time. */
@@ -170,20 +131,20 @@ static PyObject *worker_configure(Worker *w, PyObject *args, PyObject *kw) {
     if (getsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &ol) != 0) rcvbuf = 0;
     size_t fits = (size_t)rcvbuf / result_cost(w->pkt_len);
     w->rcvbuf = rcvbuf;
-    w->window = fits >= (size_t)count ? count : (fits < 1 ? 1 : (int)fits);
-    w->rto_ns = (uint64_t)(rto * 1e9);
-    w->rto_max_ns = (uint64_t)(rto_max * 1e9);
-    w->timeout_ns = (uint64_t)(timeout * 1e9);
+    w->window = fits >= (size_t)c->slot_count ? c->slot_count : (fits < 1 ? 1 : (int)fits);
+    w->rto_ns = (uint64_t)(c->rto * 1e9);
+    w->rto_max_ns = (uint64_t)(c->rto_max * 1e9);
+    w->timeout_ns = (uint64_t)(c->timeout * 1e9);
     w->srtt_ns = w->rttvar_ns = 0;
     w->configured = 1;
     w->broken = 0;
-    Py_RETURN_NONE;
+    return 0;
 }
 
 /* ---- one allreduce ---- */
 
 typedef struct {
-    Worker *w;
+    struct sa_worker *w;
     char kind; /* 'f' or 'i' */
     uint32_t call;   /* this call's sequence number */
     struct sa_header poisoned;                 /* the poisoned RESULT that ended the call */
@@ -198,7 +159,6 @@ typedef struct {
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
 } run_t;
 
-enum { RUN_OK = 0, RUN_POISONED, RUN_TIMEOUT, RUN_OSERROR, RUN_NOMEM };
 
 static inline size_t chunk_len(const run_t *r, int64_t c) {
     size_t off = (size_t)c * (size_t)r->w->k;
@@ -207,7 +167,7 @@ static inline size_t chunk_len(const run_t *r, int64_t c) {
 
 /* Build the outstanding packet of slot i for its current chunk and phase. */
 static void build_packet(run_t *r, size_t i) {
-    Worker *w = r->w;
+    struct sa_worker *w = r->w;
     slot_t *s = &r->slots[i];
     uint8_t *p = w->pkts + i * w->pkt_len;
     struct sa_header *h = (struct sa_header *)p;
@@ -251,7 +211,7 @@ static void build_packet(run_t *r, size_t i) {
 }
 
 static int send_slots(run_t *r, const size_t *which, size_t count) {
-    Worker *w = r->w;
+    struct sa_worker *w = r->w;
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     size_t sent = 0;
@@ -276,8 +236,8 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
             }
             return -1;
         }
-        w->sent += (unsigned long long)rc;
-        w->bytes += (unsigned long long)rc * w->pkt_len;
+        w->stats.sent += (unsigned long long)rc;
+        w->stats.bytes += (unsigned long long)rc * w->pkt_len;
         sent += rc > 0 ? (size_t)rc : m;
     }
     return 0;
@@ -286,13 +246,13 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
 /* The configured RTO is a floor: a slot's round trip includes waiting for the slowest peer,
  * so it varies far more than a network RTT and a TCP-style estimate fires spuriously. The
  * smoothed estimate only raises the RTO, for data planes slower than the floor (bmv2). */
-static uint64_t current_rto(const Worker *w) {
+static uint64_t current_rto(const struct sa_worker *w) {
     uint64_t rto = w->srtt_ns + 4 * w->rttvar_ns;
     if (rto < w->rto_ns) rto = w->rto_ns;
     return rto < w->rto_max_ns ? rto : w->rto_max_ns;
 }
 
-static void rtt_sample(Worker *w, uint64_t rtt) {
+static void rtt_sample(struct sa_worker *w, uint64_t rtt) {
     if (w->srtt_ns == 0) {
         w->srtt_ns = rtt;
         w->rttvar_ns = rtt / 2;
@@ -305,7 +265,7 @@ static void rtt_sample(Worker *w, uint64_t rtt) {
 
 /* Advance slot i after its result arrived; returns 1 if a new packet is outstanding. */
 static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
-    Worker *w = r->w;
+    struct sa_worker *w = r->w;
     slot_t *s = &r->slots[i];
     const struct sa_header *h = (const struct sa_header *)pkt;
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
@@ -405,8 +365,8 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
         s->retried = 1;
         s->deadline = now + s->rto;
         out[nout++] = j;
-        r->w->fast_retransmits++;
-        r->w->retransmits++;
+        r->w->stats.fast_retransmits++;
+        r->w->stats.retransmits++;
     }
     return nout;
 }
@@ -415,13 +375,13 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
  * answer: stale, duplicate, or not from the job's aggregator). A poisoned RESULT answers the slot's
  * round whatever its identity: the round's contributions differed, so its identity is not ours. */
 static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned) {
-    Worker *w = r->w;
+    struct sa_worker *w = r->w;
     const struct sa_header *h = (const struct sa_header *)pkt;
     if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
         ntohs(h->rank) != w->rank || ntohs(h->elems) != w->k)
         return -1;
     if (ntohl(h->key) != w->key) { /* only the job's aggregator knows the key: never use this payload */
-        w->bad_key++;
+        w->stats.bad_key++;
         return -1;
     }
     uint16_t pool = ntohs(h->pool);
@@ -441,10 +401,10 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
 /* One call: an allreduce of r->len elements, or (abort) one ABORT packet on chunk 0's slot, sent
  * until the round it poisons comes back, so that every peer in the call fails it too. */
 static int run_call(run_t *r, int abort) {
-    Worker *w = r->w;
+    struct sa_worker *w = r->w;
     size_t K = (size_t)w->k;
     r->chunks = abort ? 1 : (r->len + K - 1) / K;
-    if (r->chunks == 0) return RUN_OK;
+    if (r->chunks == 0) return SA_CALL_OK;
     r->active = r->chunks < (size_t)w->slot_count ? r->chunks : (size_t)w->slot_count;
     r->slots = calloc(r->active, sizeof *r->slots);
     size_t *queue = malloc(r->active * sizeof *queue);
@@ -454,9 +414,9 @@ static int run_call(run_t *r, int abort) {
     }
     if (!r->slots || !queue || (r->kind == 'f' && (!r->exp_local || !r->exp_max))) {
         free(queue);
-        return RUN_NOMEM;
+        return SA_CALL_NOMEM;
     }
-    int rc = RUN_OK;
+    int rc = SA_CALL_OK;
     if (r->kind == 'f' && !abort)
         for (size_t c = 0; c < r->chunks; c++)
             r->exp_local[c] = sa_block_exponent((const float *)r->data + c * K, chunk_len(r, (int64_t)c));
@@ -469,7 +429,7 @@ static int run_call(run_t *r, int abort) {
     }
     if (send_slots(r, queue, release(r, now, queue, 0)) < 0) {
         free(queue);
-        return RUN_OSERROR;
+        return SA_CALL_OSERROR;
     }
     uint64_t last_progress = now, next_scan = now + current_rto(w);
     struct mmsghdr msgs[BATCH];
@@ -480,7 +440,7 @@ static int run_call(run_t *r, int abort) {
         struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
         int pr = poll(&pfd, 1, wait_ms);
         if (pr < 0 && errno != EINTR) {
-            rc = RUN_OSERROR;
+            rc = SA_CALL_OSERROR;
             break;
         }
         size_t nq = 0;
@@ -494,17 +454,17 @@ static int run_call(run_t *r, int abort) {
             }
             int got = recvmmsg(w->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
             if (got < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) {
-                rc = RUN_OSERROR;
+                rc = SA_CALL_OSERROR;
                 break;
             }
             now = sa_now_ns();
-            for (int j = 0; j < got && rc == RUN_OK; j++) {
+            for (int j = 0; j < got && rc == SA_CALL_OK; j++) {
                 const uint8_t *pkt = w->rx + (size_t)j * w->pkt_len;
                 size_t len = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
                 int poisoned = 0;
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
-                    w->stale++;
+                    w->stats.stale++;
                     continue;
                 }
                 if (poisoned) { /* the call failed on every rank: keep what says why */
@@ -512,22 +472,22 @@ static int run_call(run_t *r, int abort) {
                     const uint32_t *info = (const uint32_t *)(pkt + SA_HEADER_LEN);
                     for (size_t e = 0; e < SA_MISMATCH_INFO_LEN; e++)
                         r->poison_info[e] = e < (size_t)w->k ? ntohl(info[e]) : 0;
-                    w->results++;
+                    w->stats.results++;
                     w->sets[i] ^= 1;
-                    rc = RUN_POISONED;
+                    rc = SA_CALL_POISONED;
                     break;
                 }
-                w->results++;
+                w->stats.results++;
                 last_progress = r->last_result = now;
                 r->outstanding--;
                 note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
             }
-            if (rc != RUN_OK) break;
+            if (rc != SA_CALL_OK) break;
             nq = release(r, now, queue, fast_retransmits(r, now, queue, 0));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
-            rc = RUN_OSERROR;
+            rc = SA_CALL_OSERROR;
             break;
         }
         now = sa_now_ns();
@@ -547,15 +507,15 @@ static int run_call(run_t *r, int abort) {
                 }
                 if (due < soonest) soonest = due;
             }
-            w->retransmits += nq;
+            w->stats.retransmits += nq;
             if (nq && send_slots(r, queue, nq) < 0) {
-                rc = RUN_OSERROR;
+                rc = SA_CALL_OSERROR;
                 break;
             }
             next_scan = soonest;
         }
         if (now - last_progress > w->timeout_ns) {
-            rc = RUN_TIMEOUT;
+            rc = SA_CALL_TIMEOUT;
             break;
         }
     }
@@ -567,7 +527,7 @@ static const char *kind_name(uint32_t flags) { return (flags & SA_FLAG_FLOAT) ? 
 
 /* Why a poisoned RESULT ended call r: what the aggregator saw differ, in words, into buf. */
 static void describe_poison(const run_t *r, char *buf, size_t size) {
-    const Worker *w = r->w;
+    const struct sa_worker *w = r->w;
     const struct sa_header *h = &r->poisoned;
     const uint32_t *info = r->poison_info; /* rank, call, total, flags of the contribution that differed */
     uint32_t rcall = ntohl(h->call), rtotal = ntohl(h->total);
@@ -588,177 +548,57 @@ static void describe_poison(const run_t *r, char *buf, size_t size) {
                  (info[3] & SA_FLAG_PRIME) ? ", exponent round" : "", rcall, rtotal, kind_name(h->flags), mine);
 }
 
-/* Run one call with the GIL released; on failure the worker is broken with the reason, which is raised. */
-static PyObject *finish_call(Worker *w, run_t *r, int abort) {
-    int rc;
+int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen) {
+    if (!w->configured) return fail(err, errlen, "worker is not configured with a job");
+    if (w->broken)
+        return fail(err, errlen, "an earlier call on this session failed, so its slots are out of step with its "
+                    "peers' (open a new session): %s", w->why_broken);
+    if (w->busy) return fail(err, errlen, "another allreduce is running on this session");
+    return 0;
+}
+
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort) {
+    run_t r = {.w = w, .kind = kind, .data = data, .len = len};
     w->busy = 1;
-    r->call = ++w->call;
-    Py_BEGIN_ALLOW_THREADS;
-    rc = run_call(r, abort);
-    Py_END_ALLOW_THREADS;
+    r.call = ++w->call;
+    int rc = run_call(&r, abort);
     w->busy = 0;
     int err = errno;
-    free(r->slots);
-    free(r->exp_local);
-    free(r->exp_max);
-    char secs[32]; /* PyErr_Format has no %f */
-    snprintf(secs, sizeof secs, "%.1f", (double)w->timeout_ns / 1e9);
+    free(r.slots);
+    free(r.exp_local);
+    free(r.exp_max);
     switch (rc) {
-    case RUN_OK:
-        if (!abort) w->allreduces++;
-        return Py_NewRef(Py_None);
-    case RUN_POISONED:
+    case SA_CALL_OK:
+        if (!abort) w->stats.allreduces++;
+        break;
+    case SA_CALL_POISONED:
         w->broken = 1;
-        describe_poison(r, w->why_broken, sizeof w->why_broken);
-        if (abort) return Py_NewRef(Py_None);
-        return PyErr_Format(SwitchaggError, "%s", w->why_broken);
-    case RUN_TIMEOUT:
+        describe_poison(&r, w->why_broken, sizeof w->why_broken);
+        break;
+    case SA_CALL_TIMEOUT:
         w->broken = 1;
         snprintf(w->why_broken, sizeof w->why_broken,
-                 "no result from the aggregator for %s s (job %u, rank %u, call %u, %zu of %zu slots done): "
-                 "a peer worker or the aggregator is gone", secs, w->job, w->rank, r->call, r->done, r->active);
-        if (abort) return Py_NewRef(Py_None);
-        return PyErr_Format(SwitchaggTimeout, "%s", w->why_broken);
-    case RUN_NOMEM:
-        return PyErr_NoMemory();
+                 "no result from the aggregator for %.1f s (job %u, rank %u, call %u, %zu of %zu slots done): "
+                 "a peer worker or the aggregator is gone", (double)w->timeout_ns / 1e9, w->job, w->rank, r.call,
+                 r.done, r.active);
+        break;
+    case SA_CALL_NOMEM:
+        break;
     default:
         w->broken = 1;
-        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r->call, strerror(err));
+        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r.call, strerror(err));
         errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
     }
-}
-
-static PyObject *check_usable(Worker *w) {
-    if (!w->configured) return PyErr_Format(SwitchaggError, "worker is not configured with a job");
-    if (w->broken)
-        return PyErr_Format(SwitchaggError, "an earlier call on this session failed, so its slots are out of step "
-                            "with its peers' (open a new session): %s", w->why_broken);
-    if (w->busy) return PyErr_Format(SwitchaggError, "another allreduce is running on this session");
-    return Py_None;
-}
-
-/* allreduce(buffer, kind): sum the buffer over all workers, in place. kind 'f' or 'i'. */
-static PyObject *worker_allreduce(Worker *w, PyObject *args) {
-    PyObject *obj;
-    int kind;
-    if (!PyArg_ParseTuple(args, "OC", &obj, &kind)) return NULL;
-    if (check_usable(w) == NULL) return NULL;
-    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
-    if (view.len % 4 != 0) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_TypeError, "buffer of %zd bytes is not made of 4-byte elements", view.len);
-    }
-    if ((size_t)view.len / 4 > (size_t)UINT32_MAX) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
-    }
-    run_t r = {.w = w, .kind = (char)kind, .data = view.buf, .len = (size_t)view.len / 4};
-    PyObject *res = finish_call(w, &r, 0);
-    PyBuffer_Release(&view);
-    return res;
-}
-
-/* abort(total, kind): give up the next call after a local error, so that every peer fails it too:
- * one ABORT on chunk 0's slot, resent until its (poisoned) round completes or the timeout passes.
- * The session is unusable afterwards, as are the peers'. */
-static PyObject *worker_abort(Worker *w, PyObject *args) {
-    unsigned long long total;
-    int kind;
-    if (!PyArg_ParseTuple(args, "KC", &total, &kind)) return NULL;
-    if (check_usable(w) == NULL) return NULL;
-    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
-    run_t r = {.w = w, .kind = (char)kind, .data = NULL, .len = total > UINT32_MAX ? UINT32_MAX : (size_t)total};
-    if (finish_call(w, &r, 1) == NULL) return NULL;
-    if (!w->broken) { /* one chunk and no peer: nothing came back poisoned, but peers may still come */
+    if (abort && !w->broken) { /* nothing came back poisoned (no peer), but peers may still come */
         w->broken = 1;
         snprintf(w->why_broken, sizeof w->why_broken, "this rank aborted call %u", r.call);
     }
-    Py_RETURN_NONE;
+    return rc;
 }
 
-static PyObject *worker_stats(Worker *w, PyObject *unused) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", w->sent, "retransmits",
-                         w->retransmits, "fast_retransmits", w->fast_retransmits, "results", w->results, "stale",
-                         w->stale, "bad_key", w->bad_key, "allreduces", w->allreduces, "bytes_sent", w->bytes,
-                         "call", w->call);
-}
-
-static PyObject *worker_close(Worker *w, PyObject *unused) {
-    if (w->busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
+void sa_worker_close(struct sa_worker *w) {
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
     w->configured = 0;
-    Py_RETURN_NONE;
-}
-
-static PyObject *worker_address(Worker *w, void *unused) {
-    /* Read again: a socket bound to 0.0.0.0 gets its real source address once configure() connects. */
-    socklen_t sl = sizeof w->local;
-    if (w->fd >= 0) getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
-    char buf[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &w->local.sin_addr, buf, sizeof buf);
-    return Py_BuildValue("(si)", buf, ntohs(w->local.sin_port));
-}
-
-static PyObject *worker_window(Worker *w, void *unused) { return PyLong_FromLong(w->configured ? w->window : 0); }
-
-static PyObject *worker_rcvbuf(Worker *w, void *unused) { return PyLong_FromLong(w->rcvbuf); }
-
-static PyObject *worker_rcvbuf_needed(Worker *w, void *unused) {
-    return PyLong_FromSize_t(w->configured ? (size_t)w->slot_count * result_cost(w->pkt_len) : 0);
-}
-
-static PyMethodDef worker_methods[] = {
-    {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0, "
-     "key=0)"},
-    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS, "allreduce(buffer, kind): in-place sum, GIL released."},
-    {"abort", (PyCFunction)worker_abort, METH_VARARGS,
-     "abort(total, kind): give up the next call after a local error; every peer fails that call too."},
-    {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
-    {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef worker_getset[] = {
-    {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
-    {"window", (getter)worker_window, NULL, "packets in flight at most (the job's slots, fewer if SO_RCVBUF is small)", NULL},
-    {"rcvbuf", (getter)worker_rcvbuf, NULL, "the receive buffer the kernel granted, bytes", NULL},
-    {"rcvbuf_needed", (getter)worker_rcvbuf_needed, NULL, "the receive buffer the job's full window needs, bytes", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject WorkerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "switchagg._core.Worker",
-    .tp_basicsize = sizeof(Worker),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A worker endpoint: Worker(host, port) binds; configure() sets the job; allreduce() sums.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)worker_init,
-    .tp_dealloc = (destructor)worker_dealloc,
-    .tp_methods = worker_methods,
-    .tp_getset = worker_getset,
-};
-
-int sa_worker_register(PyObject *module) {
-    SwitchaggError = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggError", "A switchagg operation failed.",
-                                               PyExc_RuntimeError, NULL);
-    if (!SwitchaggError) return -1;
-    PyObject *bases = PyTuple_Pack(2, SwitchaggError, PyExc_TimeoutError);
-    SwitchaggTimeout = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggTimeout",
-                                                 "No progress within the session timeout.", bases, NULL);
-    Py_XDECREF(bases);
-    if (!SwitchaggTimeout) return -1;
-    if (PyType_Ready(&WorkerType) < 0) return -1;
-    Py_INCREF(SwitchaggError);
-    Py_INCREF(SwitchaggTimeout);
-    Py_INCREF(&WorkerType);
-    if (PyModule_AddObject(module, "SwitchaggError", SwitchaggError) < 0 ||
-        PyModule_AddObject(module, "SwitchaggTimeout", SwitchaggTimeout) < 0 ||
-        PyModule_AddObject(module, "Worker", (PyObject *)&WorkerType) < 0)
-        return -1;
-    return 0;
+    free_bufs(w);
 }

@@ -1,15 +1,5 @@
-/* switchagg._core: the per-packet work of switchagg, in C with the GIL released. */
-#include <sys/socket.h>
-
-#include "common.h"
-
-void sa_set_sockbuf(int fd, int bytes) {
-    /* Try the forced variants first (root), then the capped ones. */
-    if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes) != 0)
-        (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
-    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0)
-        (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
-}
+/* switchagg._core: the per-packet work of switchagg (the engines in host/csrc), bound to Python. */
+#include "bindings.h"
 
 static PyObject *constants(PyObject *self, PyObject *unused) {
     /* Exposed so that tests can compare the C constants with protocol.py. */
@@ -29,7 +19,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "switchagg._core", "switchagg's C packet path.", -1, methods,
+    PyModuleDef_HEAD_INIT, "switchagg._core", "switchagg's C packet path.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__core(void) {

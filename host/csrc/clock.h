@@ -1,13 +1,9 @@
-/* Small helpers shared by the worker and the aggregator. */
-#ifndef SWITCHAGG_COMMON_H
-#define SWITCHAGG_COMMON_H
+/* Time and cheap randomness shared by the engines (no Python). */
+#ifndef SWITCHAGG_CLOCK_H
+#define SWITCHAGG_CLOCK_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdint.h>
 #include <time.h>
-
-#include "protocol.h"
 
 static inline uint64_t sa_now_ns(void) {
     struct timespec ts;
@@ -27,13 +23,5 @@ static inline uint64_t sa_rand(uint64_t *state) {
 
 /* Uniform in [0, 1). */
 static inline double sa_rand01(uint64_t *state) { return (double)(sa_rand(state) >> 11) * (1.0 / 9007199254740992.0); }
-
-/* Enlarge a socket buffer; as root SO_*BUFFORCE passes net.core.*mem_max. */
-void sa_set_sockbuf(int fd, int bytes);
-
-/* Registration hooks, one per C file, called from module.c. */
-int sa_quant_register(PyObject *module);
-int sa_worker_register(PyObject *module);
-int sa_aggregator_register(PyObject *module);
 
 #endif

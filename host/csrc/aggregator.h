@@ -1,0 +1,104 @@
+/* The software aggregator engine: the algorithm of docs/PROTOCOL.md on one UDP socket, plain C.
+ * aggregator_py.c binds it to Python (switchagg._core.Aggregator); tests/test_c_engines.py drives it
+ * alone. */
+#ifndef SWITCHAGG_AGGREGATOR_H
+#define SWITCHAGG_AGGREGATOR_H
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "protocol.h"
+
+#define SA_BATCH 64                    /* datagrams per recvmmsg */
+#define SA_RX_BUF 65536                /* > largest UDP payload, so nothing is cut */
+#define SA_OUT_MSGS 512                /* queued results before a forced flush */
+#define SA_NJOB_IDS 65536
+#define SA_NUM_SLOTS (SA_POOL_SLOT_MASK + 1)
+#define SA_JOB_COUNTERS 7              /* protocol.JOB_COUNTERS, then LEAF_COUNTERS (a leaf's job) */
+
+enum { SA_F_DROPPED_IN, SA_F_DUPLICATED_IN, SA_F_DROPPED_OUT, SA_F_DUPLICATED_OUT, SA_F_N };
+extern const char *const sa_fault_names[SA_F_N];
+extern const char *const sa_drop_names[SA_DROP_NREASONS];
+extern const char *const sa_job_counter_names[SA_JOB_COUNTERS];
+
+/* A job as the control plane installs it. */
+struct sa_job_spec {
+    uint16_t id, gen;                /* gen: 1..65535 */
+    uint32_t n, base, count, k, key;
+    struct sockaddr_in addrs[SA_MAX_WORKERS]; /* rank r's address, where local_mask has bit r */
+    uint32_t local_mask;
+    int leaf;                        /* a leaf of a two-level job: partials go to upstream */
+    uint16_t leaf_index;
+    struct sockaddr_in upstream;
+};
+
+struct sa_job_counters {
+    uint16_t id;
+    int leaf;                        /* a leaf's job has all SA_JOB_COUNTERS, others the first 4 */
+    uint64_t c[SA_JOB_COUNTERS];
+};
+
+struct sa_agg_counters {
+    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N];
+    size_t njobs;
+    struct sa_job_counters *jobs;    /* malloc'ed: the caller frees it */
+};
+
+struct out_msg {
+    struct sa_header head;
+    const uint8_t *payload;
+    size_t payload_len;
+    struct sockaddr_in dst;
+};
+
+struct job;
+
+struct sa_agg {
+    int fd;
+    int port;
+    char host[INET_ADDRSTRLEN];
+    double drop_in, dup_in, drop_out, dup_out; /* fault injection probabilities */
+    uint64_t rng;
+    pthread_mutex_t lock;
+    atomic_int stop_requested;
+    atomic_int running;
+    /* Protected by lock: */
+    struct job **jobs;               /* by job id */
+    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N];
+    /* Owned by the thread in sa_agg_serve: */
+    uint8_t *rx_bufs;
+    struct mmsghdr rx_msgs[SA_BATCH];
+    struct iovec rx_iov[SA_BATCH];
+    struct sockaddr_in rx_addr[SA_BATCH];
+    struct out_msg out[SA_OUT_MSGS];
+    size_t n_out;
+    uint8_t *out_payloads;
+    size_t n_payloads;
+    struct mmsghdr tx_msgs[SA_OUT_MSGS];
+    struct iovec tx_iov[SA_OUT_MSGS][2];
+};
+
+/* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
+
+void sa_agg_init(struct sa_agg *a);
+/* Binds host:port; probs = drop_in, dup_in, drop_out, dup_out; seed for the fault injector. */
+int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs[4], uint64_t seed, char *err,
+                size_t errlen);
+int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, size_t errlen);
+/* -1: no such job. */
+int sa_agg_remove_job(struct sa_agg *a, int job_id);
+/* A consistent snapshot; out->jobs is the caller's to free. */
+int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out);
+/* Serves until sa_agg_stop, the deadline (CLOCK_MONOTONIC ns; UINT64_MAX: none), or tick(ctx)
+ * (called every ~50 ms) returns non-zero (then 1). Returns 0, 1, an errno, or -1 if already serving. */
+int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), void *ctx);
+void sa_agg_stop(struct sa_agg *a);   /* from any thread; serve returns within ~50 ms */
+int sa_agg_close(struct sa_agg *a);   /* -1 while serving */
+void sa_agg_free(struct sa_agg *a);
+
+#endif

@@ -1,0 +1,200 @@
+/* switchagg._core.Worker: the worker engine (worker.h) as a Python type; calls run with the GIL released. */
+#include "bindings.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+
+#include "../worker.h"
+
+typedef struct {
+    PyObject_HEAD struct sa_worker w;
+} Worker;
+
+static PyObject *SwitchaggError, *SwitchaggTimeout;
+
+static void worker_dealloc(Worker *self) {
+    sa_worker_close(&self->w);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Worker(host="127.0.0.1", port=0, rcvbuf=0): bind the socket now, so its address can be registered
+ * with the control plane before the job is configured. */
+static int worker_init(Worker *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"host", "port", "rcvbuf", NULL};
+    const char *host = "127.0.0.1";
+    int port = 0, rcvbuf = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|sii", kwlist, &host, &port, &rcvbuf)) return -1;
+    sa_worker_close(&self->w);
+    char err[256];
+    int rc = sa_worker_open(&self->w, host, port, rcvbuf, err, sizeof err);
+    if (rc == -1) PyErr_SetString(PyExc_ValueError, err);
+    if (rc == -2) PyErr_SetFromErrno(PyExc_OSError);
+    return rc < 0 ? -1 : 0;
+}
+
+static PyObject *worker_configure(Worker *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"agg_host", "agg_port", "job", "rank", "n", "slot_base", "slot_count", "k",
+                             "rto", "rto_max", "timeout", "key", NULL};
+    struct sa_worker_config c = {.rto = 0.05, .rto_max = 1.0, .timeout = 10.0};
+    long long key = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siiiiiii|dddL", kwlist, &c.agg_host, &c.agg_port, &c.job, &c.rank,
+                                     &c.n, &c.slot_base, &c.slot_count, &c.k, &c.rto, &c.rto_max, &c.timeout, &key))
+        return NULL;
+    if (key < 0 || key > 0xFFFFFFFFll) return PyErr_Format(PyExc_ValueError, "key %lld is not 32-bit unsigned", key);
+    c.key = (uint32_t)key;
+    if (self->w.busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
+    char err[256];
+    int rc = sa_worker_configure(&self->w, &c, err, sizeof err);
+    if (rc == -1) return PyErr_Format(PyExc_ValueError, "%s", err);
+    if (rc == -2) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* One call with the GIL released; a failure is raised with the engine's reason. */
+static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = sa_worker_call(&self->w, kind, data, len, abort);
+    Py_END_ALLOW_THREADS;
+    if (rc == SA_CALL_OK || abort) Py_RETURN_NONE; /* an abort always ends in a broken session */
+    switch (rc) {
+    case SA_CALL_POISONED:
+        return PyErr_Format(SwitchaggError, "%s", self->w.why_broken);
+    case SA_CALL_TIMEOUT:
+        return PyErr_Format(SwitchaggTimeout, "%s", self->w.why_broken);
+    case SA_CALL_NOMEM:
+        return PyErr_NoMemory();
+    default:
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
+static int check_usable(Worker *self) {
+    char err[700];
+    if (sa_worker_usable(&self->w, err, sizeof err) == 0) return 0;
+    PyErr_SetString(SwitchaggError, err);
+    return -1;
+}
+
+/* allreduce(buffer, kind): sum the buffer over all workers, in place. kind 'f' or 'i'. */
+static PyObject *worker_allreduce(Worker *self, PyObject *args) {
+    PyObject *obj;
+    int kind;
+    if (!PyArg_ParseTuple(args, "OC", &obj, &kind)) return NULL;
+    if (check_usable(self) < 0) return NULL;
+    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (view.len % 4 != 0) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_TypeError, "buffer of %zd bytes is not made of 4-byte elements", view.len);
+    }
+    if ((size_t)view.len / 4 > (size_t)UINT32_MAX) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
+    }
+    PyObject *res = call(self, (char)kind, view.buf, (size_t)view.len / 4, 0);
+    PyBuffer_Release(&view);
+    return res;
+}
+
+/* abort(total, kind): give up the next call after a local error, so that every peer fails it too:
+ * one ABORT on chunk 0's slot, resent until its (poisoned) round completes or the timeout passes.
+ * The session is unusable afterwards, as are the peers'. */
+static PyObject *worker_abort(Worker *self, PyObject *args) {
+    unsigned long long total;
+    int kind;
+    if (!PyArg_ParseTuple(args, "KC", &total, &kind)) return NULL;
+    if (check_usable(self) < 0) return NULL;
+    if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
+    return call(self, (char)kind, NULL, total > UINT32_MAX ? UINT32_MAX : (size_t)total, 1);
+}
+
+static PyObject *worker_stats(Worker *self, PyObject *unused) {
+    const struct sa_worker_stats *s = &self->w.stats;
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits", s->retransmits,
+                         "fast_retransmits", s->fast_retransmits, "results", s->results, "stale", s->stale,
+                         "bad_key", s->bad_key, "allreduces", s->allreduces, "bytes_sent", s->bytes, "call",
+                         self->w.call);
+}
+
+static PyObject *worker_close(Worker *self, PyObject *unused) {
+    if (self->w.busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
+    sa_worker_close(&self->w);
+    Py_RETURN_NONE;
+}
+
+static PyObject *worker_address(Worker *self, void *unused) {
+    /* Read again: a socket bound to 0.0.0.0 gets its real source address once configure() connects. */
+    socklen_t sl = sizeof self->w.local;
+    if (self->w.fd >= 0) getsockname(self->w.fd, (struct sockaddr *)&self->w.local, &sl);
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &self->w.local.sin_addr, buf, sizeof buf);
+    return Py_BuildValue("(si)", buf, ntohs(self->w.local.sin_port));
+}
+
+static PyObject *worker_window(Worker *self, void *unused) { return PyLong_FromLong(self->w.configured ? self->w.window : 0); }
+
+static PyObject *worker_rcvbuf(Worker *self, void *unused) { return PyLong_FromLong(self->w.rcvbuf); }
+
+static PyObject *worker_rcvbuf_needed(Worker *self, void *unused) {
+    return PyLong_FromSize_t(sa_worker_rcvbuf_needed(&self->w));
+}
+
+static PyMethodDef worker_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0, "
+     "key=0)"},
+    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS, "allreduce(buffer, kind): in-place sum, GIL released."},
+    {"abort", (PyCFunction)worker_abort, METH_VARARGS,
+     "abort(total, kind): give up the next call after a local error; every peer fails that call too."},
+    {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
+    {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef worker_getset[] = {
+    {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
+    {"window", (getter)worker_window, NULL, "packets in flight at most (the job's slots, fewer if SO_RCVBUF is small)", NULL},
+    {"rcvbuf", (getter)worker_rcvbuf, NULL, "the receive buffer the kernel granted, bytes", NULL},
+    {"rcvbuf_needed", (getter)worker_rcvbuf_needed, NULL, "the receive buffer the job's full window needs, bytes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *worker_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Worker *self = (Worker *)type->tp_alloc(type, 0);
+    if (self != NULL) self->w.fd = -1;
+    return (PyObject *)self;
+}
+
+static PyTypeObject WorkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "switchagg._core.Worker",
+    .tp_basicsize = sizeof(Worker),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A worker endpoint: Worker(host, port) binds; configure() sets the job; allreduce() sums.",
+    .tp_new = worker_new,
+    .tp_init = (initproc)worker_init,
+    .tp_dealloc = (destructor)worker_dealloc,
+    .tp_methods = worker_methods,
+    .tp_getset = worker_getset,
+};
+
+int sa_worker_register(PyObject *module) {
+    SwitchaggError = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggError", "A switchagg operation failed.",
+                                               PyExc_RuntimeError, NULL);
+    if (!SwitchaggError) return -1;
+    PyObject *bases = PyTuple_Pack(2, SwitchaggError, PyExc_TimeoutError);
+    SwitchaggTimeout = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggTimeout",
+                                                 "No progress within the session timeout.", bases, NULL);
+    Py_XDECREF(bases);
+    if (!SwitchaggTimeout) return -1;
+    if (PyType_Ready(&WorkerType) < 0) return -1;
+    Py_INCREF(SwitchaggError);
+    Py_INCREF(SwitchaggTimeout);
+    Py_INCREF(&WorkerType);
+    if (PyModule_AddObject(module, "SwitchaggError", SwitchaggError) < 0 ||
+        PyModule_AddObject(module, "SwitchaggTimeout", SwitchaggTimeout) < 0 ||
+        PyModule_AddObject(module, "Worker", (PyObject *)&WorkerType) < 0)
+        return -1;
+    return 0;
+}

@@ -1,0 +1,62 @@
+/* The worker engine: one rank's packet path of docs/PROTOCOL.md ("The worker side"), in plain C.
+ * worker_py.c binds it to Python; tests/test_c_engines.py drives it alone. */
+#ifndef SWITCHAGG_WORKER_H
+#define SWITCHAGG_WORKER_H
+
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sa_worker_stats {
+    unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
+};
+
+struct sa_worker {
+    int fd;
+    struct sockaddr_in local;
+    int configured;
+    int broken; /* a failed call leaves peers' slot state unknown: refuse further use */
+    char why_broken[512];
+    int busy;
+    /* job */
+    uint16_t job, rank;
+    uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
+    uint32_t call; /* the call sequence number of the latest call (the next one is call + 1) */
+    int n, slot_base, slot_count, k;
+    int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
+    int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
+    uint8_t *sets; /* per slot: the shadow set of its next round, kept across calls */
+    uint8_t *pkts; /* per slot: the outstanding packet */
+    uint8_t *rx;   /* receive buffers */
+    size_t pkt_len;
+    /* timers */
+    uint64_t rto_ns, rto_max_ns, timeout_ns;
+    uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across calls */
+    struct sa_worker_stats stats;
+};
+
+struct sa_worker_config {
+    const char *agg_host;
+    int agg_port, job, rank, n, slot_base, slot_count, k;
+    double rto, rto_max, timeout; /* seconds */
+    uint32_t key;
+};
+
+enum sa_call_result { SA_CALL_OK = 0, SA_CALL_POISONED, SA_CALL_TIMEOUT, SA_CALL_OSERROR, SA_CALL_NOMEM };
+
+/* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
+
+/* Binds the socket (so its address can be registered before the job is configured). */
+int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, char *err, size_t errlen);
+int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, char *err, size_t errlen);
+/* -1 with the reason when no call can be made now (not configured, broken, busy). */
+int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
+/* One call: allreduce len elements of data in place (kind 'f' float32 or 'i' int32), or (abort) give
+ * up the next call so every peer fails it too. Blocks; returns an sa_call_result. After any failure
+ * but SA_CALL_NOMEM the worker is broken, w->why_broken says why (SA_CALL_OSERROR: errno too). */
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort);
+/* The receive buffer the job's full window needs, bytes. */
+size_t sa_worker_rcvbuf_needed(const struct sa_worker *w);
+void sa_worker_close(struct sa_worker *w);
+
+#endif

@@ -65,7 +65,7 @@ def test_bad_packets_dropped_counted_and_harmless(bed: Any, switch: Any, tmp_pat
         full = pkt(rank=1)
         # reason -> (sending endpoint, frame)
         bad: dict[str, list[tuple[int, bytes]]] = {
-            "bad_version": [(3, data_frame(e[3], pkt(rank=1, version=2)))],
+            "bad_version": [(3, data_frame(e[3], pkt(rank=1, version=1)))],
             "bad_type": [(3, data_frame(e[3], pkt(rank=1, type=protocol.MSG_RESULT)))],
             "unknown_job": [(3, data_frame(e[3], pkt(rank=1, job=999)))],
             "bad_rank": [(3, data_frame(e[3], pkt(rank=2)))],

@@ -137,7 +137,16 @@ def test_p4runtime_shell_reads_back_the_desired_state(bmv2: Bmv2Switch, tmp_path
         c.stop()
     workers = tuple(WorkerAddr(rank, ip, port) for rank, (ip, port) in enumerate(WORKERS))
     job = Job(
-        a[0].job_id, "crosscheck", 2, a[0].slot_base, a[0].slot_count, a[0].k, a[0].generation, workers, 0
+        a[0].job_id,
+        "crosscheck",
+        2,
+        a[0].slot_base,
+        a[0].slot_count,
+        a[0].k,
+        a[0].generation,
+        workers,
+        0,
+        key=a[0].key,
     )
     want = _expected(p4_program.desired_state(topo, [job]))
     assert {"tables": sorted(got["tables"]), "groups": sorted(got["groups"])} == want

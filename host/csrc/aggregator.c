@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "errmsg.h"
 #include "sockets.h"
 
 #define OUT_PAYLOADS 64              /* result payload buffers before a forced flush */
@@ -380,27 +381,19 @@ static void process(struct sa_agg *a, const uint8_t *buf, size_t len, const stru
 
 /* ---- the engine's interface (aggregator.h) ---- */
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
 int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs[4], uint64_t seed, char *err,
                 size_t errlen) {
     const char *pnames[4] = {"drop_in", "dup_in", "drop_out", "dup_out"};
     for (int i = 0; i < 4; i++)
         if (!(probs[i] >= 0.0 && probs[i] <= 1.0))
-            return fail(err, errlen, "%s must be a probability in [0, 1], got %g", pnames[i], probs[i]);
-    if (port < 0 || port > 65535) return fail(err, errlen, "port must be in 0..65535, got %d", port);
+            return sa_fail(err, errlen, "%s must be a probability in [0, 1], got %g", pnames[i], probs[i]);
+    if (port < 0 || port > 65535) return sa_fail(err, errlen, "port must be in 0..65535, got %d", port);
     struct sockaddr_in sa;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)port);
     if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
-        return fail(err, errlen, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
+        return sa_fail(err, errlen, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
     if (a->jobs == NULL) a->jobs = calloc(SA_NJOB_IDS, sizeof *a->jobs);
     if (a->rx_bufs == NULL) a->rx_bufs = malloc((size_t)SA_BATCH * SA_RX_BUF);
     if (a->out_payloads == NULL) a->out_payloads = malloc((size_t)OUT_PAYLOADS * SA_RX_BUF);
@@ -414,7 +407,7 @@ int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs
     if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
         int e = errno;
         close(fd);
-        return fail(err, errlen, "cannot bind the aggregator to %s:%d: %s", host, port, strerror(e));
+        return sa_fail(err, errlen, "cannot bind the aggregator to %s:%d: %s", host, port, strerror(e));
     }
     socklen_t sl = sizeof sa;
     getsockname(fd, (struct sockaddr *)&sa, &sl);
@@ -439,19 +432,19 @@ int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs
 
 int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, size_t errlen) {
     if (spec->n < 1 || spec->n > SA_MAX_WORKERS)
-        return fail(err, errlen, "n (workers) must be in 1..%d, got %u", SA_MAX_WORKERS, spec->n);
-    if (spec->k < 1 || spec->k > SA_MAX_K) return fail(err, errlen, "k must be in 1..%d, got %u", SA_MAX_K, spec->k);
+        return sa_fail(err, errlen, "n (workers) must be in 1..%d, got %u", SA_MAX_WORKERS, spec->n);
+    if (spec->k < 1 || spec->k > SA_MAX_K) return sa_fail(err, errlen, "k must be in 1..%d, got %u", SA_MAX_K, spec->k);
     if (spec->count < 1 || (uint64_t)spec->base + spec->count > SA_NUM_SLOTS)
-        return fail(err, errlen, "slot range [%u, %llu) must be non-empty and inside the pool 0..%d", spec->base,
+        return sa_fail(err, errlen, "slot range [%u, %llu) must be non-empty and inside the pool 0..%d", spec->base,
                     (unsigned long long)spec->base + spec->count, SA_NUM_SLOTS - 1);
     if (spec->gen < 1)
-        return fail(err, errlen, "generation must be in 1..65535 (0 means never installed), got %u", spec->gen);
+        return sa_fail(err, errlen, "generation must be in 1..65535 (0 means never installed), got %u", spec->gen);
     if (spec->leaf_index >= SA_MAX_WORKERS)
-        return fail(err, errlen, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %u",
+        return sa_fail(err, errlen, "leaf_index (the leaf's rank at the spine) must be in 0..%d, got %u",
                     SA_MAX_WORKERS - 1, spec->leaf_index);
     if (!spec->leaf && spec->leaf_index != 0)
-        return fail(err, errlen, "leaf_index is %u but no upstream is given", spec->leaf_index);
-    if (spec->local_mask == 0) return fail(err, errlen, "addrs names no rank: a leaf needs at least one local rank");
+        return sa_fail(err, errlen, "leaf_index is %u but no upstream is given", spec->leaf_index);
+    if (spec->local_mask == 0) return sa_fail(err, errlen, "addrs names no rank: a leaf needs at least one local rank");
     struct job *j = calloc(1, sizeof *j);
     if (j == NULL) goto nomem;
     j->id = spec->id;
@@ -496,8 +489,8 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     pthread_mutex_unlock(&a->lock);
     if (other == NULL) return 0;
     job_free(j);
-    if (in_use) return fail(err, errlen, "job id %u is already installed", spec->id);
-    return fail(err, errlen, "slots [%u, %u) of job %u overlap slots [%u, %u) of job %u", spec->base,
+    if (in_use) return sa_fail(err, errlen, "job id %u is already installed", spec->id);
+    return sa_fail(err, errlen, "slots [%u, %u) of job %u overlap slots [%u, %u) of job %u", spec->base,
                 spec->base + spec->count, spec->id, ob, ob + oc, oid);
 nomem:
     job_free(j);

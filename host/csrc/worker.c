@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "errmsg.h"
 #include "protocol.h"
 #include "quant.h"
 #include "sockets.h"
@@ -55,22 +56,14 @@ static void free_bufs(struct sa_worker *w) {
     w->rx = NULL;
 }
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
 int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
     w->fd = -1;
-    if (rcvbuf < 0) return fail(err, errlen, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
+    if (rcvbuf < 0) return sa_fail(err, errlen, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
     w->local.sin_family = AF_INET;
     w->local.sin_port = htons((uint16_t)port);
     if (inet_pton(AF_INET, host, &w->local.sin_addr) != 1)
-        return fail(err, errlen, "bind address %s is not an IPv4 address", host);
+        return sa_fail(err, errlen, "bind address %s is not an IPv4 address", host);
     w->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) return -2;
     socklen_t sl = sizeof w->local;
@@ -88,20 +81,20 @@ size_t sa_worker_rcvbuf_needed(const struct sa_worker *w) {
 }
 
 int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, char *err, size_t errlen) {
-    if (w->busy) return fail(err, errlen, "an allreduce is running on this worker");
-    if (c->job < 0 || c->job > 0xffff) return fail(err, errlen, "job id %d is not 16-bit", c->job);
-    if (c->n < 1 || c->n > SA_MAX_WORKERS) return fail(err, errlen, "world size %d not in 1..32", c->n);
-    if (c->rank < 0 || c->rank >= c->n) return fail(err, errlen, "rank %d not in 0..%d", c->rank, c->n - 1);
+    if (w->busy) return sa_fail(err, errlen, "an allreduce is running on this worker");
+    if (c->job < 0 || c->job > 0xffff) return sa_fail(err, errlen, "job id %d is not 16-bit", c->job);
+    if (c->n < 1 || c->n > SA_MAX_WORKERS) return sa_fail(err, errlen, "world size %d not in 1..32", c->n);
+    if (c->rank < 0 || c->rank >= c->n) return sa_fail(err, errlen, "rank %d not in 0..%d", c->rank, c->n - 1);
     if (c->slot_count < 1 || c->slot_base < 0 || c->slot_base + c->slot_count > SA_POOL_SLOT_MASK + 1)
-        return fail(err, errlen, "slot range %d+%d outside 0..32767", c->slot_base, c->slot_count);
-    if (c->k < 1 || c->k > SA_MAX_K) return fail(err, errlen, "k=%d not in 1..%d", c->k, SA_MAX_K);
+        return sa_fail(err, errlen, "slot range %d+%d outside 0..32767", c->slot_base, c->slot_count);
+    if (c->k < 1 || c->k > SA_MAX_K) return sa_fail(err, errlen, "k=%d not in 1..%d", c->k, SA_MAX_K);
     if (!(c->rto > 0 && c->rto_max >= c->rto && c->timeout > 0 && c->timeout < 1e9 && c->rto_max < 1e9))
-        return fail(err, errlen, "need 0 < rto <= rto_max and 0 < timeout, finite");
+        return sa_fail(err, errlen, "need 0 < rto <= rto_max and 0 < timeout, finite");
     struct sockaddr_in agg = {0};
     agg.sin_family = AF_INET;
     agg.sin_port = htons((uint16_t)c->agg_port);
     if (c->agg_port < 0 || c->agg_port > 65535 || inet_pton(AF_INET, c->agg_host, &agg.sin_addr) != 1)
-        return fail(err, errlen, "aggregator address %s:%d is not an IPv4 address and port", c->agg_host,
+        return sa_fail(err, errlen, "aggregator address %s:%d is not an IPv4 address and port", c->agg_host,
                     c->agg_port);
     /* connect(): the kernel then only delivers datagrams from the aggregator to us. */
     if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return -2;
@@ -549,11 +542,11 @@ static void describe_poison(const run_t *r, char *buf, size_t size) {
 }
 
 int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen) {
-    if (!w->configured) return fail(err, errlen, "worker is not configured with a job");
+    if (!w->configured) return sa_fail(err, errlen, "worker is not configured with a job");
     if (w->broken)
-        return fail(err, errlen, "an earlier call on this session failed, so its slots are out of step with its "
+        return sa_fail(err, errlen, "an earlier call on this session failed, so its slots are out of step with its "
                     "peers' (open a new session): %s", w->why_broken);
-    if (w->busy) return fail(err, errlen, "another allreduce is running on this session");
+    if (w->busy) return sa_fail(err, errlen, "another allreduce is running on this session");
     return 0;
 }
 

@@ -1,6 +1,5 @@
 /* The software aggregator engine: the algorithm of docs/PROTOCOL.md on one UDP socket, plain C.
- * aggregator_py.c binds it to Python (switchagg._core.Aggregator); tests/test_c_engines.py drives it
- * alone. */
+ * py/aggregator_py.c binds it to Python (switchagg._core.Aggregator); it includes no Python header. */
 #ifndef SWITCHAGG_AGGREGATOR_H
 #define SWITCHAGG_AGGREGATOR_H
 

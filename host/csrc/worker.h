@@ -1,5 +1,5 @@
 /* The worker engine: one rank's packet path of docs/PROTOCOL.md ("The worker side"), in plain C.
- * worker_py.c binds it to Python; tests/test_c_engines.py drives it alone. */
+ * py/worker_py.c binds it to Python (switchagg._core.Worker); it includes no Python header. */
 #ifndef SWITCHAGG_WORKER_H
 #define SWITCHAGG_WORKER_H
 

@@ -162,8 +162,8 @@ def test_crafted_edge_cases_decode_field_by_field(tmp_path: Path) -> None:
         assert got.pop("expert") == "", f"frame {frame}"
         assert got == _expected(protocol.Header.unpack(h.pack())), f"frame {frame}"
     info = _tshark(tmp_path / "crafted.pcap")
-    assert "RESULT job=65535 rank=31 slot=32767/1 off=4294967295 K=4 exp=127" in info
-    assert "DATA job=7 rank=3 slot=1023/1 off=64 K=64 exp=-126 [PRIME]" in info
+    assert "RESULT job=65535 rank=31 slot=32767/1 off=4294967295 K=4 exp=127 call=0/0" in info
+    assert f"DATA job=7 rank=3 slot=1023/1 off=64 K={protocol.P4_K} exp=-126 call=0/0 [PRIME]" in info
     assert "exp=none" in info
 
 
@@ -171,11 +171,11 @@ def test_crafted_edge_cases_decode_field_by_field(tmp_path: Path) -> None:
 def test_malformed_packets_get_the_aggregators_drop_reason(tmp_path: Path) -> None:
     good = protocol.Header(job=1, rank=0, slot=2, values=[1, 2, 3, 4])
     cases = {
-        "version 9, expected 1": protocol.Header(**{**good.__dict__, "version": 9}).pack(),
+        f"version 9, expected {protocol.VERSION}": protocol.Header(**{**good.__dict__, "version": 9}).pack(),
         "type 7 is neither DATA nor RESULT": protocol.Header(**{**good.__dict__, "type": 7}).pack(),
         "elems says 4 values, the payload has 12 bytes": good.pack()[:-4],
         "elems says 4 values, the payload has 18 bytes": good.pack() + b"\x00\x01",
-        "10 bytes, shorter than the 16-byte header": good.pack()[:10],
+        f"10 bytes, shorter than the {protocol.HEADER_LEN}-byte header": good.pack()[:10],
     }
     wrpcap(str(tmp_path / "bad.pcap"), [_udp(raw) for raw in cases.values()])
     rows = _decode(tmp_path / "bad.pcap")

@@ -39,7 +39,7 @@ reliability: install-dev
 	$(PY) tools/reliability_table.py $(RELIABILITY_OUT) -o docs/RELIABILITY.md && exit $$status
 
 lint: install-dev
-	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m mypy host controller bench examples tests bmv2_tests tools docker
+	$(VPY) -m ruff check . && $(VPY) -m ruff format --check . && $(VPY) -m mypy host controller lab bench examples tests bmv2_tests tools docker
 
 bench: install-dev
 	$(VPY) bench/bench_allreduce.py

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from switchagg import _core, protocol
-from switchagg.testing.progress import Steps
+from switchagg_lab.testing.progress import Steps
 
 
 def best_of(fn: Any, reps: int) -> float:

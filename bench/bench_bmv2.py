@@ -36,11 +36,11 @@ from scapy.layers.l2 import Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 
 from switchagg import protocol  # noqa: E402
-from switchagg.testbed import Endpoint, Testbed  # noqa: E402
-from switchagg.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
-from switchagg.testing.progress import Steps  # noqa: E402
 from switchagg_controller import p4_program  # noqa: E402
 from switchagg_controller.switch_session import SwitchSession  # noqa: E402
+from switchagg_lab.testbed import Endpoint, Testbed  # noqa: E402
+from switchagg_lab.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
+from switchagg_lab.testing.progress import Steps  # noqa: E402
 
 FRAME_LEN = 14 + 20 + 8 + protocol.packet_len(protocol.P4_K)  # 314 bytes, both kinds
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from switchagg.testing.progress import Steps
+from switchagg_lab.testing.progress import Steps
 
 WIDTH = 1024
 BATCH = 16

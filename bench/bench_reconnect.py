@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from controller_support import Controller  # noqa: E402
 
-from switchagg.testbed import Testbed  # noqa: E402
-from switchagg.testbed.tools import missing_for_switch  # noqa: E402
+from switchagg_lab.testbed import Testbed  # noqa: E402
+from switchagg_lab.testbed.tools import missing_for_switch  # noqa: E402
 
 
 def programmed(address: str) -> bool:

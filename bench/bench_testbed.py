@@ -1,5 +1,5 @@
 """In-network aggregation against the ring, on rate-limited links: the emulated rack of
-switchagg.testbed (one namespace per worker, every link capped at R both ways by tbf), same run,
+switchagg_lab.testbed (one namespace per worker, every link capped at R both ways by tbf), same run,
 same links, side by side:
 
 * switchagg: init_process_group("switchagg") through the testbed's job service; the software
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg.cli_util import parse_rate
-from switchagg.testing.progress import Steps
+from switchagg_lab.testing.progress import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -82,7 +82,7 @@ def _cpu() -> tuple[int, int]:
 
 
 def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: int) -> list[str]:
-    from switchagg.testbed.service import worker_env
+    from switchagg_lab.testbed.service import worker_env
 
     procs = []
     for e in bed.endpoints:
@@ -238,8 +238,8 @@ def train_both(bed: Any, workdir: Path, rate: float, hidden: int, progress: Step
 
 
 def bench(args: argparse.Namespace) -> int:
-    from switchagg.testbed import Testbed, tools
-    from switchagg.testbed.service import start_job_service
+    from switchagg_lab.testbed import Testbed, tools
+    from switchagg_lab.testbed.service import start_job_service
 
     reason = tools.missing_for(["ip", "tc"], "bench_testbed")
     if reason:

@@ -1,5 +1,5 @@
 """Two-level aggregation against the ring and against one flat aggregator, on racks whose uplinks
-are capped below the worker links (switchagg.testbed.racks: R racks x W workers, one leaf
+are capped below the worker links (switchagg_lab.testbed.racks: R racks x W workers, one leaf
 namespace per rack, a spine; worker links capped at --rate, uplinks at --uplink-rate,
 both ways, by tbf). Same run, same links:
 
@@ -41,7 +41,7 @@ JOB = 1
 
 
 def _slowest(out: Path, n: int, reps: int) -> list[float]:
-    from switchagg.testing.checks import result_file
+    from switchagg_lab.testing.checks import result_file
 
     per_rank = [np.load(result_file(out, JOB, r))["seconds"][1:] for r in range(n)]  # [0]: warm-up
     return [max(float(t[i]) for t in per_rank) for i in range(reps)]
@@ -53,11 +53,11 @@ def _switchagg(
     """-> (the slowest rank's seconds per timed allreduce, retransmissions of all ranks)."""
     from switchagg import protocol
     from switchagg.aggregator import SoftwareAggregator
-    from switchagg.testbed.netns import in_netns
-    from switchagg.testbed.racks import SPINE_IP
-    from switchagg.testing.checks import check_results
-    from switchagg.testing.hierarchy import Layout, run_hierarchy
-    from switchagg.testing.local import run_job
+    from switchagg_lab.testbed.netns import in_netns
+    from switchagg_lab.testbed.racks import SPINE_IP
+    from switchagg_lab.testing.checks import check_results
+    from switchagg_lab.testing.hierarchy import Layout, run_hierarchy
+    from switchagg_lab.testing.local import run_job
 
     out.mkdir(parents=True)
     n = len(bed.workers)
@@ -127,8 +127,8 @@ def _gloo(bed: Any, size_mb: int, reps: int) -> list[float]:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from switchagg.testbed import tools
-    from switchagg.testbed.racks import Racks
+    from switchagg_lab.testbed import tools
+    from switchagg_lab.testbed.racks import Racks
 
     reason = tools.missing_for(["ip", "tc"], "bench_two_level")
     if reason:

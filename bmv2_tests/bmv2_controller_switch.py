@@ -1,4 +1,4 @@
-"""The controller's bmv2 tests: a switch of the shared testbed (switchagg.testbed) whose restarts
+"""The controller's bmv2 tests: a switch of the shared testbed (switchagg_lab.testbed) whose restarts
 the tests drive, a topology file naming it, and a bounded wait."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from switchagg.testbed import Testbed
-from switchagg.testbed.bmv2 import Bmv2Switch
-from switchagg.testbed.tools import missing_for_switch
+from switchagg_lab.testbed import Testbed
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
+from switchagg_lab.testbed.tools import missing_for_switch
 
 
 def skip_reason() -> str | None:

@@ -18,8 +18,8 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from switchagg import protocol
-from switchagg.testbed import AGG_IP, AGG_MAC, Endpoint
 from switchagg_controller import p4_program
+from switchagg_lab.testbed import AGG_IP, AGG_MAC, Endpoint
 
 SENTINEL_TYPE = 0x88B5  # IEEE local experimental ethertype
 RESULT_PORT_BASE = 40000  # endpoint i receives results on UDP port RESULT_PORT_BASE + i

@@ -12,8 +12,8 @@ import itertools
 from bmv2_frames import result_port
 
 from switchagg import protocol
-from switchagg.testbed import Endpoint
 from switchagg_controller.model import Job, WorkerAddr
+from switchagg_lab.testbed import Endpoint
 
 _generations = itertools.count(1)
 

@@ -7,10 +7,10 @@ import subprocess
 from pathlib import Path
 
 from switchagg import protocol
-from switchagg.testbed import AGG_IP, Endpoint
-from switchagg.testing import checks
-from switchagg.testing.local import WORKER
 from switchagg_controller.model import Job
+from switchagg_lab.testbed import AGG_IP, Endpoint
+from switchagg_lab.testing import checks
+from switchagg_lab.testing.local import WORKER
 
 
 def start_job(

@@ -1,4 +1,4 @@
-"""A two-level job on bmv2 leaves (switchagg.testbed.p4racks): the leaves' and the bmv2 spine's
+"""A two-level job on bmv2 leaves (switchagg_lab.testbed.p4racks): the leaves' and the bmv2 spine's
 table state, the software spine's process, and the worker processes."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
-from switchagg.testbed.p4racks import SPINE_IP, SPINE_MAC, UPLINK_PORT, P4Racks, leaf_ip, leaf_mac
-from switchagg.testing.hierarchy import Node
-from switchagg.testing.local import WORKER
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
+from switchagg_lab.testbed.p4racks import SPINE_IP, SPINE_MAC, UPLINK_PORT, P4Racks, leaf_ip, leaf_mac
+from switchagg_lab.testing.hierarchy import Node
+from switchagg_lab.testing.local import WORKER
 
 JOB = 1
 COUNTER_INDEX = 0

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The controller's bmv2 tests share the job service harness with the controller's tests.
 sys.path.insert(1, str(Path(__file__).parents[1] / "tests"))
 
-from switchagg.testbed.tools import missing_for_switch  # noqa: E402
+from switchagg_lab.testbed.tools import missing_for_switch  # noqa: E402
 
 ENDPOINTS = 6
 
@@ -46,7 +46,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed import Testbed
+    from switchagg_lab.testbed import Testbed
 
     with Testbed(ENDPOINTS, tmp_path_factory.mktemp("bmv2")) as tb:
         yield tb

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from switchagg.testbed.tools import missing_for_switch
+from switchagg_lab.testbed.tools import missing_for_switch
 
 
 def _path_with(tmp_path: Path, tools: list[str]) -> str:

@@ -15,12 +15,12 @@ from bmv2_controller_switch import bmv2, topology_yaml, wait_for  # noqa: F401 -
 from controller_support import SECRET, Controller
 
 from switchagg import jobclient, protocol
-from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.p4rt import P4RuntimeError
 from switchagg_controller.switch_session import SwitchSession
 from switchagg_controller.topology import parse_topology
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
 
 
 def _job(job_id: int = 7, generation: int = 5, base: int = 0, count: int = 32, index: int = 0) -> Job:

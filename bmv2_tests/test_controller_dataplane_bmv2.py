@@ -25,8 +25,8 @@ WORKER = str(Path(__file__).parent / "controller_dp_worker.py")
 
 
 def _skip_reason() -> str | None:
-    from switchagg.testbed.tools import missing_for_switch
     from switchagg_controller import p4_program
+    from switchagg_lab.testbed.tools import missing_for_switch
 
     reason = missing_for_switch()
     if reason:
@@ -41,7 +41,7 @@ def own_bed(tmp_path: Path) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed import Testbed
+    from switchagg_lab.testbed import Testbed
 
     with Testbed(3, tmp_path / "own_bed") as tb:
         yield tb

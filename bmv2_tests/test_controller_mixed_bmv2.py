@@ -22,7 +22,7 @@ from test_controller_two_level_bmv2 import _generation, _job_counters, _progress
 
 from switchagg import protocol
 from switchagg.aggregator_control import ControlError, RemoteAggregator
-from switchagg.testing.control import ControlledAggregator
+from switchagg_lab.testing.control import ControlledAggregator
 
 RACKS = [2, 2]
 SPINE = "sspine"
@@ -35,7 +35,7 @@ def mixed(tmp_path: Path) -> Iterator[tuple[Any, ControlledAggregator]]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed.p4racks import SPINE_IP, P4Racks
+    from switchagg_lab.testbed.p4racks import SPINE_IP, P4Racks
 
     with P4Racks(RACKS, tmp_path / "bed", spine="soft") as bed:
         spine = ControlledAggregator(
@@ -50,9 +50,9 @@ def mixed(tmp_path: Path) -> Iterator[tuple[Any, ControlledAggregator]]:
 
 def _topology(bed: Any, spine: ControlledAggregator, path: Path) -> Path:
     """The leaves with uplinks to the software spine, which the controller reaches remotely."""
-    from switchagg.testbed.p4racks import SPINE_IP, SPINE_MAC, UPLINK_PORT
     from switchagg_controller.model import Remote, SoftwareSpine, Uplink
     from switchagg_controller.topology import dump_topologies
+    from switchagg_lab.testbed.p4racks import SPINE_IP, SPINE_MAC, UPLINK_PORT
 
     soft = SoftwareSpine(
         SPINE, SPINE_IP, protocol.UDP_PORT, SPINE_MAC, Remote(spine.target, spine.secret_file)

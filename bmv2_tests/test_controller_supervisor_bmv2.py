@@ -18,11 +18,11 @@ import asyncio
 from bmv2_controller_switch import bmv2, topology_yaml  # noqa: F401 - bmv2 is a fixture
 
 from switchagg import protocol
-from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program, p4rt
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.supervisor import RETRY_MAX, SwitchFleet, SwitchSupervisor
 from switchagg_controller.topology import parse_topology
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
 
 HOSTS, JOBS = 8, 16
 

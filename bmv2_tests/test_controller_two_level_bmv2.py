@@ -29,7 +29,7 @@ def racks(tmp_path: Path) -> Iterator[Any]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed.p4racks import P4Racks
+    from switchagg_lab.testbed.p4racks import P4Racks
 
     with P4Racks(RACKS, tmp_path / "bed", spine="bmv2") as bed:
         yield bed
@@ -37,9 +37,9 @@ def racks(tmp_path: Path) -> Iterator[Any]:
 
 def _topology(bed: Any) -> str:
     """The spine (no hosts of its own) and the leaves with their uplinks, as the controller reads them."""
-    from switchagg.testbed.p4racks import UPLINK_PORT
     from switchagg_controller.model import Uplink
     from switchagg_controller.topology import dump_topologies
+    from switchagg_lab.testbed.p4racks import UPLINK_PORT
 
     spine = replace(bed.spine_topology(), name="spine", hosts=())
     leaves = [

@@ -24,7 +24,7 @@ def two_beds(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed import Testbed
+    from switchagg_lab.testbed import Testbed
 
     with (
         Testbed(2, tmp_path / "bed_a", subnet="10.203.0.") as a,

@@ -9,8 +9,8 @@ from typing import Any
 from bmv2_frames import Wire
 from scapy.layers.l2 import ARP, Ether
 
-from switchagg.testbed import AGG_IP, AGG_MAC, in_netns
 from switchagg_controller import p4_program
+from switchagg_lab.testbed import AGG_IP, AGG_MAC, in_netns
 
 
 def test_switch_answers_arp_for_the_aggregator(bed: Any, switch: Any, wire: Wire) -> None:

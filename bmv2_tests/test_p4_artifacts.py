@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from switchagg.testbed.tools import find_tool
 from switchagg_controller import p4_program
+from switchagg_lab.testbed.tools import find_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def fresh_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if p4c is None:
         pytest.skip("p4c is not installed (PATH or /opt/p4/bin): cannot check p4/build against the source")
     out = tmp_path_factory.mktemp("p4build")
-    from switchagg.testbed.tools import tool_env
+    from switchagg_lab.testbed.tools import tool_env
 
     proc = subprocess.run(
         [

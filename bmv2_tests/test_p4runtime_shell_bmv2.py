@@ -23,10 +23,10 @@ from bmv2_controller_switch import bmv2, topology_yaml  # noqa: F401 - bmv2 is a
 from controller_support import SECRET, Controller
 
 from switchagg import jobclient
-from switchagg.testbed.bmv2 import Bmv2Switch
 from switchagg_controller import p4_program, p4rt
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.topology import dump_topology, parse_topology
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
 
 P4SH_VERSION = "0.0.6"
 WORKERS = (("10.0.0.1", 40100), ("10.0.0.2", 40101))  # rank -> address

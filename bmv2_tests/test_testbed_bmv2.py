@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from bmv2_controller_switch import skip_reason
 
-from switchagg.testbed import netns
+from switchagg_lab.testbed import netns
 
 NAME = f"b{os.getpid() % 10**7}"
 WORKER = (
@@ -26,7 +26,7 @@ WORKER = (
 
 
 def _cli(env: dict[str, str], command: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "switchagg.testbed.cli", command, "--name", NAME, *args]
+    argv = [sys.executable, "-m", "switchagg_lab.testbed.cli", command, "--name", NAME, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -1,6 +1,6 @@
 """Two-level aggregation with the P4 leaf role, end to end (docs/PROTOCOL.md, Two levels): 2 bmv2
 leaves x 2 worker processes, behind a bmv2 spine or the software spine (mixed), each switch its
-own simple_switch_grpc in its own namespace (switchagg.testbed.p4racks). int32 exact, float32
+own simple_switch_grpc in its own namespace (switchagg_lab.testbed.p4racks). int32 exact, float32
 within the bound of the job's total n; 5% loss on every hop both ways; a leaf restarted mid-job.
 Skipped, with the reason, where bmv2 or the compiled P4 program is missing.
 """
@@ -18,7 +18,7 @@ import pytest
 from bmv2_two_level import JOB, TwoLevelJob, start_workers, wait_workers
 from conftest import _skip_reason
 
-from switchagg.testing.checks import check_results, inputs, result_file
+from switchagg_lab.testing.checks import check_results, inputs, result_file
 
 RACKS = [2, 2]
 N = sum(RACKS)
@@ -33,7 +33,7 @@ def hierarchy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TwoLev
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from switchagg.testbed.p4racks import P4Racks
+    from switchagg_lab.testbed.p4racks import P4Racks
 
     with P4Racks(RACKS, tmp_path / "bed", spine=request.param) as bed:
         job = TwoLevelJob(bed, SLOTS)

@@ -14,9 +14,9 @@ import pytest
 
 from switchagg._proto import aggregator_pb2 as pb
 from switchagg.aggregator_control import ControlError, RemoteAggregator
-from switchagg.testing.checks import check_results
-from switchagg.testing.control import ControlledAggregator
-from switchagg.testing.local import run_job
+from switchagg_lab.testing.checks import check_results
+from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.local import run_job
 
 SECRET = "control-test-secret"
 

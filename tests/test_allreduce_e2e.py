@@ -12,8 +12,8 @@ import pytest
 
 from switchagg import protocol
 from switchagg.aggregator import SoftwareAggregator
-from switchagg.testing.checks import check_results, inputs
-from switchagg.testing.local import run_job
+from switchagg_lab.testing.checks import check_results, inputs
+from switchagg_lab.testing.local import run_job
 
 
 def ok(procs: list[subprocess.CompletedProcess[str]]) -> None:

@@ -17,11 +17,11 @@ import pytest
 from controller_support import SECRET, Controller, collect, expected_int_sum, start_workers
 
 from switchagg.aggregator_control import ControlError, RemoteAggregator
-from switchagg.testing.control import ControlledAggregator
-from switchagg.testing.reliability import Reliability
 from switchagg_controller.allocation import TWO_LEVEL
 from switchagg_controller.hierarchy import parse_two_level
 from switchagg_controller.topology import TopologyError
+from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.reliability import Reliability
 
 NODE_SECRET = "node-secret-for-tests"
 WORKER_IPS = ["127.0.1.1", "127.0.1.2", "127.0.2.1", "127.0.2.2"]

@@ -19,15 +19,15 @@ from switchagg import Session, SwitchaggTimeout, jobclient
 from switchagg._proto import jobs_pb2_grpc
 from switchagg.aggregator import MAX_KEY, SoftwareAggregator, new_key
 from switchagg.aggregator_control import RemoteAggregator
-from switchagg.testing.checks import check_results
-from switchagg.testing.control import ControlledAggregator
-from switchagg.testing.local import run_job
 from switchagg_controller import allocation
 from switchagg_controller.dataplane import SoftwareDataPlane, reconcile_jobs
 from switchagg_controller.jobs import JobManager
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.service import make_server
 from switchagg_controller.store import JobRecord, Store
+from switchagg_lab.testing.checks import check_results
+from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.local import run_job
 
 
 def test_new_keys_are_random_non_zero_32_bit() -> None:

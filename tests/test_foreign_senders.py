@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from switchagg.aggregator import SoftwareAggregator
-from switchagg.testing.checks import check_results
-from switchagg.testing.local import run_job
-from switchagg.testing.reliability import Reliability
+from switchagg_lab.testing.checks import check_results
+from switchagg_lab.testing.local import run_job
+from switchagg_lab.testing.reliability import Reliability
 
 K, SLOTS = 256, 8
 TENSORS = [("int32", 20_000)] * 150 + [("float32", 20_000)] * 10
@@ -39,7 +39,7 @@ def _run(tmp: Path, n: int, flood: bool) -> tuple[float, dict, dict[str, int]]:
             "count": 40_000,  # bounded in count and time
             "seconds": 60,
         }
-        cmd = [sys.executable, "-m", "switchagg.testing.flood", json.dumps(cfg)]
+        cmd = [sys.executable, "-m", "switchagg_lab.testing.flood", json.dumps(cfg)]
         flooder.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(0.5)  # the flood is under way when the first allreduce starts
 

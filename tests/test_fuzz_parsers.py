@@ -57,7 +57,7 @@ from switchagg.protocol import (
     VERSION,
     Header,
 )
-from switchagg.testing.reliability import Reliability
+from switchagg_lab.testing.reliability import Reliability
 
 T = TypeVar("T")
 WAIT_S = 10.0  # only guards against hangs

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from switchagg.testing.progress import Steps
+from switchagg_lab.testing.progress import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ import pytest
 
 from switchagg import Session, SwitchaggError, protocol
 from switchagg.aggregator import SoftwareAggregator
-from switchagg.testbed import netns, tools
-from switchagg.testing.checks import float_bound
-from switchagg.testing.reliability import Reliability
+from switchagg_lab.testbed import netns, tools
+from switchagg_lab.testing.checks import float_bound
+from switchagg_lab.testing.reliability import Reliability
 
 RACK_REASON = tools.missing_for(["ip", "tc", "nft"], "the emulated-rack fault tests")
 
@@ -125,7 +125,7 @@ def fault_counts(bed: Any) -> dict[str, int]:
 def rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SoftwareAggregator]]:
     if RACK_REASON:
         pytest.skip(RACK_REASON)
-    from switchagg.testbed.topology import AGG_IP, Testbed
+    from switchagg_lab.testbed.topology import AGG_IP, Testbed
 
     with Testbed(N, tmp_path_factory.mktemp("rack"), data_plane="soft", rate_mbit=1000) as bed:
         with netns.in_netns(bed.switch_ns):

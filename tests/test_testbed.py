@@ -1,4 +1,4 @@
-"""The emulated rack (switchagg.testbed) with the software data plane: real namespaces, veths,
+"""The emulated rack (switchagg_lab.testbed) with the software data plane: real namespaces, veths,
 token-bucket caps and a real job through the software aggregator in the switch namespace; and
 switchagg-testbed's up/run/status/down, including recovery from a crashed run. Needs root and
 iproute2; skipped, with the reason, elsewhere."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from switchagg import protocol
-from switchagg.testbed import netns, tools
-from switchagg.testbed.topology import AGG_IP, Testbed
+from switchagg_lab.testbed import netns, tools
+from switchagg_lab.testbed.topology import AGG_IP, Testbed
 
 REASON = tools.missing_for(["ip", "tc"], "the testbed tests")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -29,8 +29,8 @@ def _ours(prefix: str) -> list[str]:
 
 def test_a_job_through_the_soft_switch_namespace_is_exact(tmp_path: Path) -> None:
     from switchagg.aggregator import SoftwareAggregator
-    from switchagg.testing import checks
-    from switchagg.testing.local import run_job
+    from switchagg_lab.testing import checks
+    from switchagg_lab.testing.local import run_job
 
     n, k, slots = 3, 2048, 16
     tensors = [("int32", 3 * k + 5), ("float32", 20000)]
@@ -103,7 +103,7 @@ def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> No
 
 def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "switchagg.testbed.cli", *args],
+        [sys.executable, "-m", "switchagg_lab.testbed.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -162,7 +162,7 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     assert ctl.returncode == 0 and "jobs" in json.loads(ctl.stdout), ctl.stderr
 
     # | head: the relay stops writing, the ranks run to the end, exit status 0, no traceback
-    testbed = f"{sys.executable} -m switchagg.testbed.cli"
+    testbed = f"{sys.executable} -m switchagg_lab.testbed.cli"
     piped = subprocess.run(
         ["bash", "-c", f"set -o pipefail; {testbed} run --name {NAME} -- seq 200000 | head -1"],
         capture_output=True, text=True, timeout=120, env=env,

@@ -1,5 +1,5 @@
 """Two-level aggregation end to end (docs/PROTOCOL.md, Two levels): 2 leaves x 2 workers + 1 spine,
-every one a separate process (workers: switchagg.testing.worker; leaves and spine: the
+every one a separate process (workers: switchagg_lab.testing.worker; leaves and spine: the
 switchagg-aggregator CLI), over real UDP: on loopback, and in network namespaces with 5% loss on
 every hop in both directions (nftables)."""
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from switchagg.protocol import UDP_PORT
-from switchagg.testbed import tools
-from switchagg.testing.checks import check_results, inputs, result_file
-from switchagg.testing.hierarchy import Layout, Node, run_hierarchy
-from switchagg.testing.reliability import Reliability
+from switchagg_lab.testbed import tools
+from switchagg_lab.testing.checks import check_results, inputs, result_file
+from switchagg_lab.testing.hierarchy import Layout, Node, run_hierarchy
+from switchagg_lab.testing.reliability import Reliability
 
 RACKS = [2, 2]
 N = sum(RACKS)
@@ -162,7 +162,7 @@ def test_two_level_with_5_percent_loss_on_every_hop_in_namespaces(tmp_path: Path
     """Workers, leaves and the spine in their own namespaces; nftables drops 5% of aggregation
     packets leaving and arriving at every worker and every leaf uplink: worker<->leaf and
     leaf<->spine, both ways. Every sum is exact."""
-    from switchagg.testbed.racks import SPINE_IP, Racks
+    from switchagg_lab.testbed.racks import SPINE_IP, Racks
 
     k, slots = 1024, 8
     tensors = [("int32", 200_000), ("float32", 200_000), ("int32", 7)]

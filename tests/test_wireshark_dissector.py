@@ -25,7 +25,7 @@ from scapy.utils import rdpcap, wrpcap
 
 from switchagg import demo, protocol
 from switchagg.scapy_layer import Agg
-from switchagg.testbed import netns, tools
+from switchagg_lab.testbed import netns, tools
 
 ROOT = Path(__file__).resolve().parents[1]
 LUA = ROOT / "tools/wireshark/switchagg.lua"

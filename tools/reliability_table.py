@@ -3,10 +3,10 @@
     python tools/reliability_table.py build/reliability.jsonl -o docs/RELIABILITY.md
 
 The input is what the tests marked ``@pytest.mark.reliability`` wrote through
-switchagg.testing.reliability when ``$SWITCHAGG_RELIABILITY_OUT`` named the file (``make
+switchagg_lab.testing.reliability when ``$SWITCHAGG_RELIABILITY_OUT`` named the file (``make
 reliability`` does both steps): one JSON line per row. Rows of one fault and one description (a
 parametrized test) are merged; the table lists the faults in the order of
-switchagg.testing.reliability.FAULTS, says which have no row, and totals runs, sums checked and
+switchagg_lab.testing.reliability.FAULTS, says which have no row, and totals runs, sums checked and
 wrong sums. Exit status 1 when a row has wrong sums or a test failed, so that ``make`` fails too.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from switchagg.testing.reliability import FAULTS
+from switchagg_lab.testing.reliability import FAULTS
 
 HEADER = (
     "Fault",
@@ -133,7 +133,7 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
         "run `make reliability`. -->",
         "",
         "Each row is a fault tried against real switchagg processes and sockets by a test of the suite",
-        "(`@pytest.mark.reliability`, switchagg.testing.reliability), with what it did to the sums. A",
+        "(`@pytest.mark.reliability`, switchagg_lab.testing.reliability), with what it did to the sums. A",
         "fault may make a job fail, but only cleanly: every rank gets an error that says why, and no",
         "rank a wrong sum. The goal is **0 wrong sums** in every row.",
         "",

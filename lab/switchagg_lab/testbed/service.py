@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from switchagg import protocol
-from switchagg.testbed.netns import Endpoint, TestbedError
-from switchagg.testbed.topology import AGG_IP, Testbed
+from switchagg_lab.testbed.netns import Endpoint, TestbedError
+from switchagg_lab.testbed.topology import AGG_IP, Testbed
 
 if TYPE_CHECKING:
-    from switchagg.testbed.racks import Racks
+    from switchagg_lab.testbed.racks import Racks
 
 SERVICE_WAIT = 60.0
 
@@ -90,7 +90,7 @@ def start_two_level_service(
     and the job service (``serve --two-level``) in the spine namespace installing jobs on them
     through their control sockets (docs/CONTROLLER.md, Two levels in software). Returns the pids
     by role; the caller (or the namespaces' removal) stops them."""
-    from switchagg.testbed.racks import SPINE_IP
+    from switchagg_lab.testbed.racks import SPINE_IP
 
     workdir.mkdir(parents=True, exist_ok=True)
     node_secret = _secret(workdir / "nodes.secret")
@@ -123,7 +123,7 @@ def start_two_level_service(
 
 
 def rack_subnet(rack: int) -> str:
-    from switchagg.testbed.racks import rack_ip
+    from switchagg_lab.testbed.racks import rack_ip
 
     return rack_ip(rack, 0) + "/24"
 

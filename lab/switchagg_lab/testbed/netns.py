@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from switchagg import protocol
-from switchagg.testbed.tools import tool_env
+from switchagg_lab.testbed.tools import tool_env
 
 _CLONE_NEWNET = 0x40000000
 _veths = itertools.count(1)

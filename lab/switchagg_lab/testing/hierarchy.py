@@ -1,5 +1,5 @@
 """Running a two-level job: worker processes, leaves and a spine as ``switchagg-aggregator``
-processes (docs/PROTOCOL.md, Two levels), on loopback or in namespaces (switchagg.testbed.racks)."""
+processes (docs/PROTOCOL.md, Two levels), on loopback or in namespaces (switchagg_lab.testbed.racks)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg.aggregator import new_key
-from switchagg.testing.local import WORKER, _read_address
+from switchagg_lab.testing.local import WORKER, _read_address
 
 AGGREGATOR = [sys.executable, "-m", "switchagg.aggregator"]
 _START_S = 30.0  # an aggregator prints its listening line within this (generous: only against a hang)
@@ -128,7 +128,7 @@ def run_hierarchy(
     """Starts the workers (job ranks in rack order), the spine and the leaves, lets the workers run
     and waits for all (bounded by ``wait``); ``during(nodes)`` runs once they started (e.g. to
     restart a leaf); ``node_args(name)`` adds aggregator options (e.g. fault injection); ``cfg``
-    adds worker config keys (switchagg.testing.worker); ``key``: the job's result key on every
+    adds worker config keys (switchagg_lab.testing.worker); ``key``: the job's result key on every
     node and worker (None: a fresh random one; 0: unkeyed)."""
     if key is None:
         key = new_key()

@@ -145,7 +145,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "reliability(fault, tried, **fields): this test is a row of docs/RELIABILITY.md "
-        "(switchagg.testing.reliability)",
+        "(switchagg_lab.testing.reliability)",
     )
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from switchagg import protocol
-from switchagg.testbed import netns
-from switchagg.testbed.bmv2 import Bmv2Switch
-from switchagg.testbed.netns import Endpoint, sh
+from switchagg_lab.testbed import netns
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
+from switchagg_lab.testbed.netns import Endpoint, sh
 
 SPINE_IP = "10.213.0.254"
 SPINE_MAC = "02:5c:00:00:00:fe"

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 
 from switchagg import protocol
-from switchagg.testbed import netns
-from switchagg.testbed.netns import Endpoint, sh
+from switchagg_lab.testbed import netns
+from switchagg_lab.testbed.netns import Endpoint, sh
 
 SPINE_IP = "10.212.0.254"
 _PREFIX = re.compile(r"^sar(\d+)x\d+(sp|l\d+|h\d+)$")

@@ -1,4 +1,4 @@
-"""One rank allreducing seeded tensors: ``python -m switchagg.testing.worker CONFIG_JSON``.
+"""One rank allreducing seeded tensors: ``python -m switchagg_lab.testing.worker CONFIG_JSON``.
 
 Config keys: job rank n aggregator=[ip, port] slot_base slots k bind=[ip, port] tensors=[[dtype,
 size], ...] seed out timeout rto key, and optionally announce (print the bound address as a JSON line
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from switchagg import Session, SwitchaggError, protocol
-from switchagg.testing.checks import inputs, result_file
+from switchagg_lab.testing.checks import inputs, result_file
 
 
 def _die_after(s: Session, results: int) -> None:

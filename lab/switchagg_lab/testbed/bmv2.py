@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from switchagg.testbed.netns import TestbedError
-from switchagg.testbed.tools import find_tool, tool_env
+from switchagg_lab.testbed.netns import TestbedError
+from switchagg_lab.testbed.tools import find_tool, tool_env
 
 THRIFT_PORT = 9090
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from switchagg.aggregator import AggregatorHandle, new_key
 
-WORKER = [sys.executable, "-m", "switchagg.testing.worker"]
+WORKER = [sys.executable, "-m", "switchagg_lab.testing.worker"]
 
 
 def _read_address(p: subprocess.Popen[str], deadline: float) -> tuple[str, int]:
@@ -52,7 +52,7 @@ def run_job(
 ) -> list[subprocess.CompletedProcess[str]]:
     """Starts n workers, installs the job on ``agg`` with the addresses they bound, lets them run
     and waits for all (bounded by ``wait`` seconds: a hang fails instead of blocking); ``cfg`` and
-    ``per_rank`` add worker config keys (switchagg.testing.worker); ``before_go(addresses)`` runs
+    ``per_rank`` add worker config keys (switchagg_lab.testing.worker); ``before_go(addresses)`` runs
     between installing the job and letting the workers start; ``launcher(rank)`` prefixes rank's
     command line (e.g. ``ip netns exec NS``). ``key``: the job's result key, installed and given to
     every worker (None: a fresh random one; 0: unkeyed)."""

@@ -1,4 +1,4 @@
-"""A hostile neighbour: ``python -m switchagg.testing.flood CONFIG_JSON`` sends a bounded flood of
+"""A hostile neighbour: ``python -m switchagg_lab.testing.flood CONFIG_JSON`` sends a bounded flood of
 foreign datagrams at an aggregator (and forged results at its workers) from its own sockets.
 
 Config keys: aggregator=[ip, port], workers=[[ip, port], ...], job, n, slot_base, slots, k,

@@ -6,7 +6,7 @@ Needs root and iproute2 (plus nftables for loss, ethtool and bmv2 for the bmv2 d
 :func:`tools.missing_for` says what is absent.
 """
 
-from switchagg.testbed.netns import Endpoint, TestbedError, in_netns
-from switchagg.testbed.topology import AGG_IP, AGG_MAC, Testbed
+from switchagg_lab.testbed.netns import Endpoint, TestbedError, in_netns
+from switchagg_lab.testbed.topology import AGG_IP, AGG_MAC, Testbed
 
 __all__ = ["AGG_IP", "AGG_MAC", "Endpoint", "Testbed", "TestbedError", "in_netns"]

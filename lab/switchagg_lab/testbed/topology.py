@@ -23,9 +23,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from switchagg.testbed import netns
-from switchagg.testbed.bmv2 import Bmv2Switch
-from switchagg.testbed.netns import Endpoint, TestbedError, sh
+from switchagg_lab.testbed import netns
+from switchagg_lab.testbed.bmv2 import Bmv2Switch
+from switchagg_lab.testbed.netns import Endpoint, TestbedError, sh
 
 AGG_IP = "10.201.0.254"
 AGG_MAC = "02:5a:00:00:00:fe"

@@ -26,21 +26,20 @@ import threading
 import time
 from pathlib import Path
 
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Raw
+
+from switchagg import protocol
+from switchagg_controller import p4_program
+from switchagg_controller.switch_session import SwitchSession
+from switchagg_lab.bmv2.frames import RESULT_PORT_BASE, counters, data_frame
+from switchagg_lab.bmv2.jobs import make_job
+from switchagg_lab.testbed import Endpoint, Testbed
+from switchagg_lab.testbed.tools import find_tool, missing_for_switch, tool_env
+from switchagg_lab.testing.progress import Steps
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bmv2_tests"))
-
-from bmv2_frames import RESULT_PORT_BASE, counters, data_frame  # noqa: E402
-from bmv2_jobs import make_job  # noqa: E402
-from scapy.layers.inet import IP, UDP  # noqa: E402
-from scapy.layers.l2 import Ether  # noqa: E402
-from scapy.packet import Raw  # noqa: E402
-
-from switchagg import protocol  # noqa: E402
-from switchagg_controller import p4_program  # noqa: E402
-from switchagg_controller.switch_session import SwitchSession  # noqa: E402
-from switchagg_lab.testbed import Endpoint, Testbed  # noqa: E402
-from switchagg_lab.testbed.tools import find_tool, missing_for_switch, tool_env  # noqa: E402
-from switchagg_lab.testing.progress import Steps  # noqa: E402
 
 FRAME_LEN = 14 + 20 + 8 + protocol.packet_len(protocol.P4_K)  # 314 bytes, both kinds
 

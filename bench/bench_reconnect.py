@@ -16,13 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from switchagg_lab.testbed import Testbed
+from switchagg_lab.testbed.tools import missing_for_switch
+from switchagg_lab.testing.controller import Controller
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from controller_support import Controller  # noqa: E402
-
-from switchagg_lab.testbed import Testbed  # noqa: E402
-from switchagg_lab.testbed.tools import missing_for_switch  # noqa: E402
 
 
 def programmed(address: str) -> bool:

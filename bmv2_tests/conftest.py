@@ -6,44 +6,20 @@ do not depend on each other; counters are compared as differences.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-# The controller's bmv2 tests share the job service harness with the controller's tests.
-sys.path.insert(1, str(Path(__file__).parents[1] / "tests"))
-
-from switchagg_lab.testbed.tools import missing_for_switch  # noqa: E402
+from switchagg_lab.bmv2.skip import skip_reason
 
 ENDPOINTS = 6
 
 
-def _skip_reason() -> str | None:
-    reason = missing_for_switch()
-    if reason:
-        return reason
-    try:
-        import switchagg_controller.switch_session  # noqa: F401
-    except ImportError as e:
-        return f"the controller's P4Runtime side (finsy) is not importable: {e}"
-    try:
-        import scapy  # noqa: F401
-    except ImportError:
-        return "bmv2 tests need scapy (pip install scapy)"
-    from switchagg_controller import p4_program
-
-    if not p4_program.BMV2_JSON.exists() or not p4_program.P4INFO.exists():
-        return f"compiled P4 program missing ({p4_program.BMV2_JSON}); run `make -C p4`"
-    return None
-
-
 @pytest.fixture(scope="session")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from switchagg_lab.testbed import Testbed
@@ -65,8 +41,33 @@ def switch(bed: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
+def bmv2(tmp_path: Path) -> Iterator[Any]:
+    """A running switch with three ports cabled to endpoint namespaces; kill()/start() restart it."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from switchagg_lab.testbed import Testbed
+
+    with Testbed(3, tmp_path / "bed") as bed:
+        assert bed.switch is not None
+        yield bed.switch
+
+
+@pytest.fixture
+def own_bed(tmp_path: Path) -> Iterator[Any]:
+    """A testbed of its own with three endpoints: for tests that kill or restart the switch."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from switchagg_lab.testbed import Testbed
+
+    with Testbed(3, tmp_path / "own_bed") as tb:
+        yield tb
+
+
+@pytest.fixture
 def wire(bed: Any, switch: Any) -> Iterator[Any]:
-    from bmv2_frames import Wire
+    from switchagg_lab.bmv2.frames import Wire
 
     w = Wire(bed.endpoints)
     try:

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bmv2_frames import counters, delta
-from bmv2_jobs import make_job
-from bmv2_run import check_results, finish, start_job
 
 from switchagg_controller import p4_program
+from switchagg_lab.bmv2.frames import counters, delta
+from switchagg_lab.bmv2.jobs import make_job
+from switchagg_lab.bmv2.run import check_results, finish, start_job
 
 TENSORS = [("int32", 4096), ("int32", 1000), ("float32", 2048)]
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from bmv2_frames import counters, data_frame, delta, frame_problems, result_port
-from bmv2_jobs import GenerationMap
 
 from switchagg.conformance import (
     Install,
@@ -31,6 +29,8 @@ from switchagg.conformance import (
 from switchagg.protocol import P4_K
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
+from switchagg_lab.bmv2.frames import counters, data_frame, delta, frame_problems, result_port
+from switchagg_lab.bmv2.jobs import GenerationMap
 
 VECTORS = load_vectors(default_vector_dir())
 TWO_LEVEL = load_vectors(two_level_vector_dir())

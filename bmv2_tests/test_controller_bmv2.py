@@ -11,8 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from bmv2_controller_switch import bmv2, topology_yaml, wait_for  # noqa: F401 - bmv2 is a fixture
-from controller_support import SECRET, Controller
 
 from switchagg import jobclient, protocol
 from switchagg_controller import p4_program
@@ -20,7 +18,10 @@ from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.p4rt import P4RuntimeError
 from switchagg_controller.switch_session import SwitchSession
 from switchagg_controller.topology import parse_topology
+from switchagg_lab.bmv2.controller_switch import topology_yaml
 from switchagg_lab.testbed.bmv2 import Bmv2Switch
+from switchagg_lab.testing.controller import SECRET, Controller
+from switchagg_lab.testing.kit import wait_until
 
 
 def _job(job_id: int = 7, generation: int = 5, base: int = 0, count: int = 32, index: int = 0) -> Job:
@@ -46,7 +47,7 @@ def _reader(address: str) -> SwitchSession:
     return SwitchSession(address, 0, p4_program.P4INFO, primary=False).open()
 
 
-def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:  # noqa: F811
+def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:
     topo = parse_topology(topology_yaml(bmv2.grpc_address))
     job = _job()
     state = p4_program.desired_state(topo, [job])
@@ -80,7 +81,7 @@ def test_apply_is_idempotent_and_reads_back(bmv2: Bmv2Switch) -> None:  # noqa: 
             conn.read_counter("nope")
 
 
-def test_a_second_controller_is_not_primary(bmv2: Bmv2Switch) -> None:  # noqa: F811
+def test_a_second_controller_is_not_primary(bmv2: Bmv2Switch) -> None:
     topo = parse_topology(topology_yaml(bmv2.grpc_address))
     state = p4_program.desired_state(topo, [])
     json_path, p4info = p4_program.BMV2_JSON, p4_program.P4INFO
@@ -93,7 +94,7 @@ def test_a_second_controller_is_not_primary(bmv2: Bmv2Switch) -> None:  # noqa: 
         assert first.apply(state) > 0 and first.apply(state) == 0  # the primary still writes
 
 
-def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
+def test_cli_push_twice_changes_nothing_the_second_time(bmv2: Bmv2Switch, tmp_path: Path) -> None:
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     c = Controller(tmp_path, [])
@@ -127,7 +128,7 @@ def _join_pair(address: str, name: str, ports: tuple[int, int]) -> list[jobclien
     return sorted(out, key=lambda a: a.rank)
 
 
-def test_restart_recovery_and_two_jobs(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
+def test_restart_recovery_and_two_jobs(bmv2: Bmv2Switch, tmp_path: Path) -> None:
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     c = Controller(tmp_path, ["--topology", str(topo), "--reap-timeout", "600"]).start()
@@ -157,7 +158,7 @@ def test_restart_recovery_and_two_jobs(bmv2: Bmv2Switch, tmp_path: Path) -> None
                 conn.close()
             return entry is not None and entry["generation"] != a[0].generation
 
-        wait_for(restored, what="the supervisor to reprogram the restarted switch")
+        wait_until(restored, what="the supervisor to reprogram the restarted switch")
         new_gen = jobclient.heartbeat(c.address, SECRET, a[0])
         assert new_gen != a[0].generation
 
@@ -183,7 +184,7 @@ def test_restart_recovery_and_two_jobs(bmv2: Bmv2Switch, tmp_path: Path) -> None
         c.stop()
 
 
-def test_jobs_that_do_not_fit_on_the_switch_fall_back_to_software(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
+def test_jobs_that_do_not_fit_on_the_switch_fall_back_to_software(bmv2: Bmv2Switch, tmp_path: Path) -> None:
     topo = tmp_path / "topology.yaml"
     topo.write_text(topology_yaml(bmv2.grpc_address))
     extra = ["--topology", str(topo), "--fallback", "--p4-slots", "600", "--software-listen", "127.0.0.1:0"]

@@ -12,22 +12,24 @@ import pytest
 
 pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client (pip install .[metrics])")
 
-import test_controller_dataplane_bmv2 as dataplane  # noqa: E402
-from controller_support import Controller  # noqa: E402
-from test_controller_metrics import metrics_address  # noqa: E402
-from test_metrics import scrape, value  # noqa: E402
-
 from switchagg import protocol  # noqa: E402
+from switchagg_lab.bmv2.controller_jobs import (  # noqa: E402
+    progress,
+    start_workers,
+    stop_together,
+    topology_file,
+    worker_reports,
+)
+from switchagg_lab.testing.controller import Controller, metrics_address  # noqa: E402
+from switchagg_lab.testing.prom import scrape, value  # noqa: E402
 
-LENGTH = 1000  # controller_dp_worker's tensors
+LENGTH = 1000  # switchagg_lab.bmv2.dp_worker's tensors
 CHUNKS = -(-LENGTH // protocol.P4_K)
-own_bed = dataplane.own_bed  # the fixture: a testbed of its own (this test kills the switch)
-_reports, _start, _topology_file = dataplane._reports, dataplane._start, dataplane._topology_file
 
 
 def _wait_progress(tmp: Path, name: str, bed: Any, procs: list[Any], at_least: int) -> list[int]:
     deadline = time.monotonic() + 120
-    while min(done := dataplane.progress(tmp, name, bed.endpoints)) < at_least:
+    while min(done := progress(tmp, name, bed.endpoints)) < at_least:
         assert time.monotonic() < deadline, f"the workers never reached {at_least} allreduces: {done}"
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.05)
@@ -35,7 +37,7 @@ def _wait_progress(tmp: Path, name: str, bed: Any, procs: list[Any], at_least: i
 
 
 def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, tmp_path: Path) -> None:
-    topo = _topology_file(own_bed, tmp_path / "topology.yaml")
+    topo = topology_file(own_bed, tmp_path / "topology.yaml")
     ctl = Controller(tmp_path, ["--topology", str(topo), "--reap-timeout", "600", "--metrics-port", "0"])
     ctl.start(listen=f"unix:{tmp_path}/jobs.sock")
     stop = tmp_path / "stop"
@@ -49,7 +51,9 @@ def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, 
         assert value(idle, "switchagg_slots_free", switch=switch) == protocol.P4_NUM_SLOTS
 
         n = len(own_bed.endpoints)
-        procs = _start(own_bed, ctl.address, tmp_path, "metrics", iterations=100_000, timeout=30, stop=stop)
+        procs = start_workers(
+            own_bed, ctl.address, tmp_path, "metrics", iterations=100_000, timeout=30, stop=stop
+        )
         try:
             finished = min(_wait_progress(tmp_path, "metrics", own_bed, procs, 3))
             first = scrape(address)
@@ -62,15 +66,15 @@ def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, 
             assert value(first, "switchagg_service_jobs", state="active") == 1
             assert value(first, "switchagg_join_seconds_count", outcome="ok") == n
 
-            later = max(dataplane.progress(tmp_path, "metrics", own_bed.endpoints)) + 2
+            later = max(progress(tmp_path, "metrics", own_bed.endpoints)) + 2
             finished = min(_wait_progress(tmp_path, "metrics", own_bed, procs, later))
             second = scrape(address)
             moved = value(second, "switchagg_job_aggregated_total", **job)
             assert moved >= finished * n * CHUNKS and moved > aggregated
             assert value(second, "switchagg_job_multicast_total", **job) >= finished * CHUNKS
         finally:
-            dataplane.stop_together(stop, tmp_path, "metrics", own_bed.endpoints)
-            reports = _reports(procs)
+            stop_together(stop, tmp_path, "metrics", own_bed.endpoints)
+            reports = worker_reports(procs)
         assert all(r["wrong"] == 0 and r["error"] is None for r in reports), reports
 
         own_bed.switch.kill()

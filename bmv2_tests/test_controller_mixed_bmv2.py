@@ -16,13 +16,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, stop_together
-from test_controller_two_level_bmv2 import _generation, _job_counters, _progress
 
 from switchagg import protocol
 from switchagg.aggregator_control import ControlError, RemoteAggregator
+from switchagg_lab.bmv2.controller_jobs import (
+    job_counters,
+    job_generation,
+    min_progress,
+    start_workers,
+    stop_together,
+    worker_reports,
+)
+from switchagg_lab.bmv2.skip import skip_reason
 from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.controller import Controller
 
 RACKS = [2, 2]
 SPINE = "sspine"
@@ -32,7 +39,7 @@ SPINE_SECRET = "mixed-spine-secret"
 @pytest.fixture
 def mixed(tmp_path: Path) -> Iterator[tuple[Any, ControlledAggregator]]:
     """The racks with a software spine, and that spine's process (up, with no job)."""
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from switchagg_lab.testbed.p4racks import SPINE_IP, P4Racks
@@ -67,7 +74,7 @@ def _topology(bed: Any, spine: ControlledAggregator, path: Path) -> Path:
 
 def _wait_progress(tmp: Path, name: str, bed: Any, procs: list[Any], at_least: int) -> None:
     deadline = time.monotonic() + 120  # a guard against a hang, not a timed assertion
-    while _progress(tmp, name, bed.workers) < at_least:
+    while min_progress(tmp, name, bed.workers) < at_least:
         assert time.monotonic() < deadline, "the workers made no progress"
         assert all(p.poll() is None for p in procs), "a worker ended early"
         time.sleep(0.05)
@@ -84,7 +91,7 @@ def test_two_bmv2_leaves_behind_a_remote_software_spine_sum_exactly(
     c.start(listen=f"unix:{tmp_path}/jobs.sock")
     stop = tmp_path / "stop"
     try:
-        procs = _start(
+        procs = start_workers(
             SimpleNamespace(endpoints=bed.workers), c.address, tmp_path, "mx", 100_000, 30, stop=stop
         )
         _wait_progress(tmp_path, "mx", bed, procs, 3)
@@ -96,7 +103,7 @@ def test_two_bmv2_leaves_behind_a_remote_software_spine_sum_exactly(
             assert installed[job_id].k == protocol.P4_K
             spine_job = remote.counters()["jobs"][job_id]
         names = p4_program.JOB_COUNTER_NAMES | p4_program.LEAF_COUNTER_NAMES
-        leaves = [_job_counters(sw.grpc_address, 0, names) for sw in bed.leaves]
+        leaves = [job_counters(sw.grpc_address, 0, names) for sw in bed.leaves]
         assert all(leaf["upstream"] > 0 and leaf["multicast"] > 0 for leaf in leaves), leaves
         assert spine_job["aggregated"] > 0 and spine_job["multicast"] > 0, spine_job
         # The controller's counters show the spine as a data plane of its own, with the job.
@@ -106,7 +113,7 @@ def test_two_bmv2_leaves_behind_a_remote_software_spine_sum_exactly(
         assert [j["job_id"] for j in spine_plane["jobs"]] == [job_id]
         assert spine_plane["jobs"][0]["aggregated"] > 0 and listed["unavailable"] == []
         stop_together(stop, tmp_path, "mx", bed.workers)
-        reports = _reports(procs)
+        reports = worker_reports(procs)
         assert sorted(r["rank"] for r in reports) == list(range(sum(RACKS)))
         assert {r["data_plane"] for r in reports} == {"p4"} and {r["k"] for r in reports} == {protocol.P4_K}
         assert all(r["ok"] >= 3 and r["wrong"] == 0 and r["error"] is None for r in reports), reports
@@ -139,12 +146,12 @@ def test_a_software_spine_restarted_under_a_running_job_is_reconciled(
     c.start(listen=f"unix:{tmp_path}/jobs.sock")
     stop = tmp_path / "stop"
     try:
-        procs = _start(
+        procs = start_workers(
             SimpleNamespace(endpoints=bed.workers), c.address, tmp_path, "sr", 100_000, 20, stop=stop
         )
         _wait_progress(tmp_path, "sr", bed, procs, 3)
         job_id = 1
-        generation = _generation(bed.leaves[0].grpc_address, job_id)
+        generation = job_generation(bed.leaves[0].grpc_address, job_id)
         assert generation is not None
         boot = spine.boot_id
         spine.kill()
@@ -164,14 +171,14 @@ def test_a_software_spine_restarted_under_a_running_job_is_reconciled(
             reconciled = time.monotonic() - started  # reported, not asserted (the machine is noisy)
             assert remote.jobs()[job_id].n == len(RACKS)
         for leaf in bed.leaves:  # the leaves were not touched: same generation
-            assert _generation(leaf.grpc_address, job_id) == generation
-        after = _progress(tmp_path, "sr", bed.workers)
+            assert job_generation(leaf.grpc_address, job_id) == generation
+        after = min_progress(tmp_path, "sr", bed.workers)
         deadline = time.monotonic() + 60
-        while _progress(tmp_path, "sr", bed.workers) < after + 3 and all(p.poll() is None for p in procs):
+        while min_progress(tmp_path, "sr", bed.workers) < after + 3 and all(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the workers neither went on nor failed"
             time.sleep(0.1)
         stop_together(stop, tmp_path, "sr", bed.workers)
-        reports = _reports(procs)
+        reports = worker_reports(procs)
         outcome = [(r["rank"], r["ok"], r["error"]) for r in reports]
         print(f"\nspine back with its job {reconciled:.2f} s after its restart; then {outcome}")
         assert all(r["wrong"] == 0 and r["ok"] >= 3 for r in reports), reports

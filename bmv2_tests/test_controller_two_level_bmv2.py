@@ -6,7 +6,6 @@ as its aggregator, and the sums are exact. Skipped, with the reason, where bmv2 
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,10 +14,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, progress, stop_together
 
 from switchagg import protocol
+from switchagg_lab.bmv2.controller_jobs import (
+    job_counters,
+    job_generation,
+    min_progress,
+    start_workers,
+    stop_together,
+    worker_reports,
+)
+from switchagg_lab.bmv2.skip import skip_reason
+from switchagg_lab.testing.controller import Controller
 
 RACKS = [2, 2]
 METRICS = importlib.util.find_spec("prometheus_client") is not None  # pip install .[metrics]
@@ -26,7 +33,7 @@ METRICS = importlib.util.find_spec("prometheus_client") is not None  # pip insta
 
 @pytest.fixture
 def racks(tmp_path: Path) -> Iterator[Any]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from switchagg_lab.testbed.p4racks import P4Racks
@@ -49,19 +56,6 @@ def _topology(bed: Any) -> str:
     return dump_topologies([spine, *leaves])
 
 
-def _job_counters(address: str, index: int, names: dict[str, str]) -> dict[str, int]:
-    from switchagg_controller import p4_program
-    from switchagg_controller.switch_session import SwitchSession
-
-    with SwitchSession(address, 0, p4_program.P4INFO, primary=False, timeout=10) as s:
-        return {k: min(s.read_counter(c, index)[index]) for k, c in names.items()}
-
-
-def _progress(tmp: Path, name: str, endpoints: Any) -> int:
-    """The fewest allreduces any worker finished so far."""
-    return min(progress(tmp, name, endpoints))
-
-
 def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Path) -> None:
     from switchagg_controller import p4_program
 
@@ -73,22 +67,21 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
     stop = tmp_path / "stop"
     try:
         workers = SimpleNamespace(endpoints=racks.workers)
-        procs = _start(workers, c.address, tmp_path, "tl", iterations=100_000, timeout=30, stop=stop)
+        procs = start_workers(workers, c.address, tmp_path, "tl", iterations=100_000, timeout=30, stop=stop)
         deadline = time.monotonic() + 120
-        while _progress(tmp_path, "tl", racks.workers) < 3:  # the job runs (it ends when they leave)
+        while min_progress(tmp_path, "tl", racks.workers) < 3:  # the job runs (it ends when they leave)
             assert time.monotonic() < deadline, "the workers made no progress"
             assert all(p.poll() is None for p in procs), "a worker ended early"
             time.sleep(0.05)
         # Every leaf sends partials up and multicasts the spine's results; the spine sums the leaves.
         names = p4_program.JOB_COUNTER_NAMES | p4_program.LEAF_COUNTER_NAMES
-        leaves = [_job_counters(sw.grpc_address, 0, names) for sw in racks.leaves]
-        spine = _job_counters(racks.spine.grpc_address, 0, p4_program.JOB_COUNTER_NAMES)
+        leaves = [job_counters(sw.grpc_address, 0, names) for sw in racks.leaves]
+        spine = job_counters(racks.spine.grpc_address, 0, p4_program.JOB_COUNTER_NAMES)
         assert all(leaf["upstream"] > 0 and leaf["multicast"] > 0 for leaf in leaves), leaves
         assert spine["aggregated"] > 0 and spine["multicast"] > 0, spine
         if METRICS:  # the leaves' own counters reach Prometheus; the spine's plain job has none
-            sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-            from test_controller_metrics import metrics_address
-            from test_metrics import scrape, value
+            from switchagg_lab.testing.controller import metrics_address
+            from switchagg_lab.testing.prom import scrape, value
 
             samples = scrape(metrics_address(c))
             for r in range(len(RACKS)):
@@ -101,7 +94,7 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
             ]
             assert not spine_leaf
         stop_together(stop, tmp_path, "tl", racks.workers)
-        reports = _reports(procs)
+        reports = worker_reports(procs)
         assert sorted(r["rank"] for r in reports) == list(range(sum(RACKS)))
         assert {r["data_plane"] for r in reports} == {"p4"} and {r["k"] for r in reports} == {protocol.P4_K}
         assert all(r["ok"] >= 3 and r["wrong"] == 0 and r["error"] is None for r in reports), reports
@@ -109,36 +102,6 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
     finally:
         stop.write_text("")
         c.stop()
-
-
-def _generation(address: str, job_id: int) -> int | None:
-    """The generation of job ``job_id`` in the switch's job table (either role's action); None
-    while the switch has no such entry (or no pipeline yet)."""
-    from switchagg_controller.p4rt import P4RuntimeError
-
-    try:
-        return _read_generation(address, job_id)
-    except (P4RuntimeError, TimeoutError):
-        return None
-
-
-def _read_generation(address: str, job_id: int) -> int | None:
-    from switchagg_controller import p4_program
-    from switchagg_controller.switch_session import SwitchSession
-
-    with SwitchSession(address, 0, p4_program.P4INFO, primary=False, timeout=10) as s:
-        table = s.p4info.tables[p4_program.JOB_TABLE]
-        gen_ids = {
-            s.p4info.actions[a].id: next(p.id for p in s.p4info.actions[a].params if p.name == "generation")
-            for a in ("MyIngress.set_job", "MyIngress.set_leaf_job")
-        }
-        for e in s.read_table_entries():
-            if e.table_id == table.id and int.from_bytes(e.match[0].exact.value, "big") == job_id:
-                gen_id = gen_ids[e.action.action.action_id]
-                return next(
-                    int.from_bytes(p.value, "big") for p in e.action.action.params if p.param_id == gen_id
-                )
-    return None
 
 
 @pytest.mark.reliability(
@@ -161,30 +124,32 @@ def test_a_leaf_restarted_under_running_workers_is_reprogrammed_and_no_sum_is_wr
     stop = tmp_path / "stop"
     try:
         workers = SimpleNamespace(endpoints=racks.workers)
-        procs = _start(workers, c.address, tmp_path, "rs", iterations=100_000, timeout=20, stop=stop)
+        procs = start_workers(workers, c.address, tmp_path, "rs", iterations=100_000, timeout=20, stop=stop)
         deadline = time.monotonic() + 120
-        while _progress(tmp_path, "rs", racks.workers) < 3:
+        while min_progress(tmp_path, "rs", racks.workers) < 3:
             assert time.monotonic() < deadline, "the workers made no progress"
             assert all(p.poll() is None for p in procs), "a worker ended early"
             time.sleep(0.05)
         job_id = 1  # the first job of a fresh controller
-        generation = _generation(racks.spine.grpc_address, job_id)
-        assert generation is not None and _generation(racks.leaves[0].grpc_address, job_id) == generation
+        generation = job_generation(racks.spine.grpc_address, job_id)
+        assert generation is not None and job_generation(racks.leaves[0].grpc_address, job_id) == generation
         racks.leaves[0].restart()  # empty: no pipeline, no entries, zero registers
         deadline = time.monotonic() + 120
-        while _generation(racks.leaves[0].grpc_address, job_id) is None:  # reprogrammed by the controller
+        while job_generation(racks.leaves[0].grpc_address, job_id) is None:  # reprogrammed by the controller
             assert time.monotonic() < deadline, "the controller never reprogrammed the restarted leaf"
             time.sleep(0.2)
-        assert _generation(racks.leaves[0].grpc_address, job_id) == generation
-        assert _generation(racks.spine.grpc_address, job_id) == generation
-        assert _generation(racks.leaves[1].grpc_address, job_id) == generation
-        after = _progress(tmp_path, "rs", racks.workers)
+        assert job_generation(racks.leaves[0].grpc_address, job_id) == generation
+        assert job_generation(racks.spine.grpc_address, job_id) == generation
+        assert job_generation(racks.leaves[1].grpc_address, job_id) == generation
+        after = min_progress(tmp_path, "rs", racks.workers)
         deadline = time.monotonic() + 60
-        while _progress(tmp_path, "rs", racks.workers) < after + 3 and all(p.poll() is None for p in procs):
+        while min_progress(tmp_path, "rs", racks.workers) < after + 3 and all(
+            p.poll() is None for p in procs
+        ):
             assert time.monotonic() < deadline, "the workers neither went on nor failed"
             time.sleep(0.1)
         stop_together(stop, tmp_path, "rs", racks.workers)
-        reports = _reports(procs)
+        reports = worker_reports(procs)
         print("\nafter the leaf restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])
         assert all(r["wrong"] == 0 for r in reports), reports
         for r in reports:

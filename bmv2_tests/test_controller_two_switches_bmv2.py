@@ -15,13 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controller_support import Controller
-from test_controller_dataplane_bmv2 import _reports, _skip_reason, _start, stop_together
+
+from switchagg_lab.bmv2.controller_jobs import (
+    start_workers,
+    stop_together,
+    worker_reports,
+)
+from switchagg_lab.bmv2.skip import skip_reason
+from switchagg_lab.testing.controller import Controller
 
 
 @pytest.fixture
 def two_beds(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from switchagg_lab.testbed import Testbed
@@ -74,7 +80,7 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
     stop = tmp_path / "stop-b"
     try:
         assert _programmed(a.grpc_address) and _programmed(b.grpc_address)
-        procs = _start(b, c.address, tmp_path, "onb", iterations=20000, timeout=30, stop=stop)
+        procs = start_workers(b, c.address, tmp_path, "onb", iterations=20000, timeout=30, stop=stop)
 
         def done() -> int:
             values = []
@@ -121,12 +127,12 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
         running_past(done() + 3, "after switch a came back")
         stop_together(stop, tmp_path, "onb", b.endpoints)
 
-        reports = _reports(procs)
+        reports = worker_reports(procs)
         assert {r["data_plane"] for r in reports} == {"p4"}
         assert all(r["wrong"] == 0 and r["error"] is None and r["ok"] >= 6 for r in reports), reports
 
         # A job on the restarted switch a: exact sums.
-        after = _reports(_start(a, c.address, tmp_path, "ona", iterations=3, timeout=30))
+        after = worker_reports(start_workers(a, c.address, tmp_path, "ona", iterations=3, timeout=30))
         assert all(r["ok"] == 3 and r["wrong"] == 0 and r["error"] is None for r in after), after
         assert {r["data_plane"] for r in after} == {"p4"}
     finally:

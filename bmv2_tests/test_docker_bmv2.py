@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from docker_testbed import check_training, load_testbed, skip_reason  # tests/, on the path (conftest)
+from tests.docker_testbed import check_training, load_testbed, skip_reason
 
 
 # A cold run builds the images first (base, controller, worker: ~3 min here).

@@ -6,15 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bmv2_frames import Wire, counters, data_frame, delta, result_port
-from bmv2_jobs import make_job
-from bmv2_run import check_results, finish, start_job
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
 from switchagg import protocol
 from switchagg.protocol import Header
 from switchagg_controller import p4_program
+from switchagg_lab.bmv2.frames import Wire, counters, data_frame, delta, result_port
+from switchagg_lab.bmv2.jobs import make_job
+from switchagg_lab.bmv2.run import check_results, finish, start_job
 
 REPEAT = 3  # copies of each bad packet
 

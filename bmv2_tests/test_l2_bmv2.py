@@ -6,10 +6,10 @@ import socket
 import threading
 from typing import Any
 
-from bmv2_frames import Wire
 from scapy.layers.l2 import ARP, Ether
 
 from switchagg_controller import p4_program
+from switchagg_lab.bmv2.frames import Wire
 from switchagg_lab.testbed import AGG_IP, AGG_MAC, in_netns
 
 

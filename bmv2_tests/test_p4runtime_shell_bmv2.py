@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bmv2_controller_switch import bmv2, topology_yaml  # noqa: F401 - bmv2 is a fixture
-from controller_support import SECRET, Controller
 
 from switchagg import jobclient
 from switchagg_controller import p4_program, p4rt
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.topology import dump_topology, parse_topology
+from switchagg_lab.bmv2.controller_switch import topology_yaml
 from switchagg_lab.testbed.bmv2 import Bmv2Switch
+from switchagg_lab.testing.controller import SECRET, Controller
 
 P4SH_VERSION = "0.0.6"
 WORKERS = (("10.0.0.1", 40100), ("10.0.0.2", 40101))  # rank -> address
@@ -118,7 +118,7 @@ def _expected(state: Any) -> dict[str, Any]:
     return {"tables": sorted(tables), "groups": sorted(groups)}
 
 
-def test_p4runtime_shell_reads_back_the_desired_state(bmv2: Bmv2Switch, tmp_path: Path) -> None:  # noqa: F811
+def test_p4runtime_shell_reads_back_the_desired_state(bmv2: Bmv2Switch, tmp_path: Path) -> None:
     cache = Path(os.environ.get("SWITCHAGG_P4SH_CACHE", tmp_path))
     python = _p4sh_python(cache)
     topo = replace(parse_topology(topology_yaml(bmv2.grpc_address)), election_id=(0, 5))

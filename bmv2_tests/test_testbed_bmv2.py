@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from bmv2_controller_switch import skip_reason
 
+from switchagg_lab.bmv2.skip import skip_reason
 from switchagg_lab.testbed import netns
 
 NAME = f"b{os.getpid() % 10**7}"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bmv2_two_level import JOB, TwoLevelJob, start_workers, wait_workers
-from conftest import _skip_reason
 
+from switchagg_lab.bmv2.skip import skip_reason
+from switchagg_lab.bmv2.two_level import JOB, TwoLevelJob, start_workers, wait_workers
 from switchagg_lab.testing.checks import check_results, inputs, result_file
 
 RACKS = [2, 2]
@@ -30,7 +30,7 @@ LOSSY = [("int32", 12800), ("float32", 12800)]
 
 @pytest.fixture(params=["bmv2", "soft"], ids=["bmv2-spine", "software-spine"])
 def hierarchy(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TwoLevelJob]:
-    reason = _skip_reason()
+    reason = skip_reason()
     if reason:
         pytest.skip(reason)
     from switchagg_lab.testbed.p4racks import P4Racks

@@ -15,9 +15,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from controller_support import SECRET, Controller, free_port
 
 import switchagg
+from switchagg_lab.testing.controller import SECRET, Controller, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = (ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 is supported

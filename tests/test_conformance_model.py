@@ -14,7 +14,6 @@ import struct
 from dataclasses import dataclass, field
 
 import pytest
-from test_conformance_software import VECTORS
 
 from switchagg.conformance import (
     Install,
@@ -23,6 +22,7 @@ from switchagg.conformance import (
     Send,
     Vector,
     check_counters,
+    default_vector_dir,
     describe,
     load_vectors,
     two_level_vector_dir,
@@ -242,6 +242,9 @@ def run_on_model(vector: Vector, model: SwitchModel) -> None:
             )
     problems = check_counters(vector, model.drops, model.counters)
     assert not problems, f"{vector.name} counters: {problems}"
+
+
+VECTORS = load_vectors(default_vector_dir())
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=[v.name for v in VECTORS])

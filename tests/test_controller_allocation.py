@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from controller_support import aio_join
 
 from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
@@ -19,6 +18,7 @@ from switchagg_controller.dataplane import SoftwareDataPlane
 from switchagg_controller.jobs import JobManager
 from switchagg_controller.service import make_server
 from switchagg_controller.store import Store
+from switchagg_lab.testing.controller import aio_join
 
 SECRET = "contention"
 

@@ -4,12 +4,12 @@ crosses (docs/CONTROLLER.md, Two levels on P4 switches); the entries each switch
 from __future__ import annotations
 
 import pytest
-from test_controller_topology import LEAVES
 
 from switchagg_controller import p4_program as p4
 from switchagg_controller.dataplane import DataPlaneError, P4DataPlane
 from switchagg_controller.model import Job, SwitchState
 from switchagg_controller.topology import parse_topologies
+from switchagg_lab.testing.topologies import LEAVES
 
 
 def _plane() -> P4DataPlane:

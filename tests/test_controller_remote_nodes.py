@@ -14,17 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-from controller_support import SECRET, Controller, collect, expected_int_sum, start_workers
 
 from switchagg.aggregator_control import ControlError, RemoteAggregator
 from switchagg_controller.allocation import TWO_LEVEL
 from switchagg_controller.hierarchy import parse_two_level
 from switchagg_controller.topology import TopologyError
-from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.controller import SECRET, Controller, collect, expected_int_sum, start_workers
 from switchagg_lab.testing.reliability import Reliability
+from switchagg_lab.testing.remote_nodes import NODE_SECRET, remote_nodes, remote_nodes_spec
+from switchagg_lab.testing.topologies import LOOPBACK_WORKER_IPS as WORKER_IPS
 
-NODE_SECRET = "node-secret-for-tests"
-WORKER_IPS = ["127.0.1.1", "127.0.1.2", "127.0.2.1", "127.0.2.2"]
 ROUNDS, LENGTH = 30, 20000
 
 # Joins, then allreduces ROUNDS tensors known from (rank, round), checks each sum, and prints
@@ -52,25 +51,6 @@ LONG_WORKER = textwrap.dedent(
 )
 
 
-def _nodes(tmp: Path) -> list[ControlledAggregator]:
-    hosts = [("spine", "127.0.0.254"), ("rack0", "127.0.1.254"), ("rack1", "127.0.2.254")]
-    return [ControlledAggregator(tmp, name, NODE_SECRET, host) for name, host in hosts]
-
-
-def _spec(tmp: Path, nodes: list[ControlledAggregator]) -> Path:
-    def node(a: ControlledAggregator) -> str:
-        return f"listen: {a.host}:{a.port}, control: '{a.target}', secret_file: {a.secret_file.name}"
-
-    spine, r0, r1 = nodes
-    path = tmp / "two-level.yaml"
-    path.write_text(
-        f"spine: {{{node(spine)}}}\nleaves:\n"
-        f"  - {{name: rack0, subnets: [127.0.1.0/24], {node(r0)}}}\n"
-        f"  - {{name: rack1, subnets: [127.0.2.0/24], {node(r1)}}}\n"
-    )
-    return path
-
-
 def test_remote_node_file_errors() -> None:
     with pytest.raises(TopologyError, match="control needs secret_file too"):
         parse_two_level("spine: {listen: 127.0.0.1:1, control: 'unix:/x'}\nleaves: []\n")
@@ -89,11 +69,11 @@ def test_remote_node_file_errors() -> None:
 
 
 def test_a_node_serving_elsewhere_than_its_listen_address_is_refused(tmp_path: Path) -> None:
-    nodes = _nodes(tmp_path)
+    nodes = remote_nodes(tmp_path)
     for a in nodes:
         a.start()
     try:
-        spec = _spec(tmp_path, nodes)
+        spec = remote_nodes_spec(tmp_path, nodes)
         spec.write_text(spec.read_text().replace(f"127.0.2.254:{nodes[2].port}", "127.0.2.254:9"))
         c = Controller(tmp_path, ["--two-level", str(spec)])
         with pytest.raises(RuntimeError, match=r"rack1 aggregator .* serves on 127.0.2.254:\d+, not on"):
@@ -104,10 +84,10 @@ def test_a_node_serving_elsewhere_than_its_listen_address_is_refused(tmp_path: P
 
 
 def test_remote_spine_and_leaves_sum_exactly(tmp_path: Path) -> None:
-    nodes = _nodes(tmp_path)
+    nodes = remote_nodes(tmp_path)
     for a in nodes:
         a.start()
-    c = Controller(tmp_path, ["--two-level", str(_spec(tmp_path, nodes))]).start()
+    c = Controller(tmp_path, ["--two-level", str(remote_nodes_spec(tmp_path, nodes))]).start()
     try:
         spine, r0, r1 = (f"{a.host}:{a.port}" for a in nodes)
         assert f"two-level spine {spine} leaves {r0},{r1}" in c.banner
@@ -139,10 +119,10 @@ def test_remote_spine_and_leaves_sum_exactly(tmp_path: Path) -> None:
     state="the job reinstalled on the restarted leaf",
 )
 def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path, reliability: Reliability) -> None:
-    nodes = _nodes(tmp_path)
+    nodes = remote_nodes(tmp_path)
     for a in nodes:
         a.start()
-    c = Controller(tmp_path, ["--two-level", str(_spec(tmp_path, nodes))]).start()
+    c = Controller(tmp_path, ["--two-level", str(remote_nodes_spec(tmp_path, nodes))]).start()
     rack1 = nodes[2]
     try:
         procs = [
@@ -208,13 +188,15 @@ def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:
     from switchagg_controller.hierarchy import TwoLevelDataPlane, close_nodes, load_two_level, open_nodes
     from switchagg_controller.model import Job, WorkerAddr
 
-    nodes = _nodes(tmp_path)
+    nodes = remote_nodes(tmp_path)
     for a in nodes:
         a.start()
-    handles, warnings = open_nodes(load_two_level(_spec(tmp_path, nodes)))
+    handles, warnings = open_nodes(load_two_level(remote_nodes_spec(tmp_path, nodes)))
     try:
         assert warnings == []
-        plane = TwoLevelDataPlane(load_two_level(_spec(tmp_path, nodes)), handles[0], handles[1:], k=64)
+        plane = TwoLevelDataPlane(
+            load_two_level(remote_nodes_spec(tmp_path, nodes)), handles[0], handles[1:], k=64
+        )
         workers = tuple(WorkerAddr(r, ip, 7000 + r) for r, ip in enumerate(WORKER_IPS))
         job = Job(5, "j", 4, 0, 16, 64, 3, workers)
         rack0_only = Job(6, "r0", 1, 16, 8, 64, 4, (WorkerAddr(0, "127.0.1.9", 7100),))

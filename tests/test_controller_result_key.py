@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from controller_support import SECRET, Controller, aio_join, free_port
 
 from switchagg import Session, SwitchaggTimeout, jobclient
 from switchagg._proto import jobs_pb2_grpc
@@ -27,6 +26,7 @@ from switchagg_controller.service import make_server
 from switchagg_controller.store import JobRecord, Store
 from switchagg_lab.testing.checks import check_results
 from switchagg_lab.testing.control import ControlledAggregator
+from switchagg_lab.testing.controller import SECRET, Controller, aio_join, free_port
 from switchagg_lab.testing.local import run_job
 
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import grpc
 import pytest
-from controller_support import (
+
+from switchagg import jobclient, protocol
+from switchagg_lab.testing.controller import (
     SECRET,
     Controller,
     aio_join,
@@ -23,8 +25,6 @@ from controller_support import (
     free_port,
     start_workers,
 )
-
-from switchagg import jobclient, protocol
 
 
 @pytest.fixture

@@ -16,13 +16,12 @@ import pytest
 pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client (pip install .[metrics])")
 pytest.importorskip("finsy", reason="the controller needs its extra (pip install .[controller])")
 
-import test_controller_metrics as m  # noqa: E402
-from controller_support import SECRET, Controller  # noqa: E402
-
 from switchagg import protocol  # noqa: E402
 from switchagg_controller import allocation, top  # noqa: E402
+from switchagg_lab.testing.controller import SECRET, Controller, ctl_json, metrics_address  # noqa: E402
+from switchagg_lab.testing.prom import scrape_until  # noqa: E402
+from switchagg_lab.testing.stepped import LENGTH, read_line, step, stepped_worker  # noqa: E402
 
-software_controller = m.software_controller  # the fixture
 WAIT_S = 60.0
 
 # Allreduces until the stop file exists (bounded: 100000 allreduces or 120 s), then leaves. The
@@ -48,18 +47,18 @@ LOOPING_WORKER = textwrap.dedent(
 
 
 def _snapshot(ctl: Controller) -> top.Snapshot:
-    return top.Snapshot(time.monotonic(), m.ctl_json(ctl, "jobs"), m.ctl_json(ctl, "counters"))
+    return top.Snapshot(time.monotonic(), ctl_json(ctl, "jobs"), ctl_json(ctl, "counters"))
 
 
 def test_rates_of_two_reads_around_known_allreduces_are_exact(software_controller: Controller) -> None:
     n, name, rounds = 2, "top-exact", 3
-    procs = [m._worker(software_controller, name, n) for _ in range(n)]
+    procs = [stepped_worker(software_controller, name, n) for _ in range(n)]
     try:
-        k = [m._line(p) for p in procs][0]["k"]
-        chunks = -(-m.LENGTH // k)
+        k = [read_line(p) for p in procs][0]["k"]
+        chunks = -(-LENGTH // k)
         before = _snapshot(software_controller)
         for _ in range(rounds):
-            m._step(procs, n)
+            step(procs, n)
         after = _snapshot(software_controller)
     finally:
         for p in procs:
@@ -88,8 +87,8 @@ def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path
     cmd = [sys.executable, "-c", LOOPING_WORKER, software_controller.address, SECRET, name, str(n), str(stop)]
     procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(n)]
     try:
-        m.eventually(
-            m.metrics_address(software_controller),
+        scrape_until(
+            metrics_address(software_controller),
             lambda s: any(
                 metric == "switchagg_job_aggregated_total" and ("job", name) in labels and v > 0
                 for (metric, labels), v in s.items()
@@ -128,7 +127,8 @@ def test_a_two_level_job_is_one_row_with_its_workers_rates(tmp_path: Path) -> No
     """2 leaves x 2 workers behind a spine (embedded nodes): the job's contributions are what
     its leaves aggregated, its results what the spine multicast, and its slot range is counted
     on every node."""
-    from test_controller_two_level import SPEC, WORKER_IPS
+    from switchagg_lab.testing.topologies import LOOPBACK_TWO_LEVEL as SPEC
+    from switchagg_lab.testing.topologies import LOOPBACK_WORKER_IPS as WORKER_IPS
 
     spec = tmp_path / "two-level.yaml"
     spec.write_text(SPEC)
@@ -137,12 +137,12 @@ def test_a_two_level_job_is_one_row_with_its_workers_rates(tmp_path: Path) -> No
     procs: list[subprocess.Popen[str]] = []
     try:
         ctl.start()
-        procs = [m._worker(ctl, name, n, ip) for ip in WORKER_IPS]
-        k = [m._line(p) for p in procs][0]["k"]
-        chunks = -(-m.LENGTH // k)
+        procs = [stepped_worker(ctl, name, n, ip) for ip in WORKER_IPS]
+        k = [read_line(p) for p in procs][0]["k"]
+        chunks = -(-LENGTH // k)
         before = _snapshot(ctl)
         for _ in range(rounds):
-            m._step(procs, n)
+            step(procs, n)
         after = _snapshot(ctl)
         (listed,) = after.jobs["jobs"]
     finally:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from switchagg_controller.topology import TopologyError, load_topology, parse_topology
+from switchagg_lab.testing.topologies import LEAVES
 
 GOOD = """\
 switch:
@@ -199,30 +200,6 @@ def test_bad_lists_of_switches(old: str, new: str, message: str) -> None:
     with pytest.raises(TopologyError) as e:
         parse_topologies(SEVERAL.replace(old, new, 1), "net.yaml")
     assert str(e.value) == message
-
-
-LEAVES = """\
-switches:
-  - name: spine
-    address: unix:/run/sp.sock
-    device_id: 0
-    aggregator: {ip: 10.0.9.254, mac: "02:00:00:00:09:fe"}
-    hosts: []
-  - name: l0
-    address: unix:/run/l0.sock
-    device_id: 0
-    aggregator: {ip: 10.0.0.254, mac: "02:00:00:00:00:fe"}
-    uplink: {switch: spine, port: 100, spine_port: 1}
-    hosts:
-      - {name: h0, port: 1, mac: "02:00:00:00:00:01", ip: 10.0.0.1}
-  - name: l1
-    address: unix:/run/l1.sock
-    device_id: 0
-    aggregator: {ip: 10.0.1.254, mac: "02:00:00:00:01:fe"}
-    uplink: {switch: spine, port: 100, spine_port: 2}
-    hosts:
-      - {name: h1, port: 1, mac: "02:00:00:00:01:01", ip: 10.0.1.1}
-"""
 
 
 def test_leaves_with_uplinks_to_a_spine_without_hosts() -> None:

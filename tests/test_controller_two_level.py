@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from controller_support import SECRET, Controller, collect, expected_int_sum, start_workers
 
 from switchagg import Session
 from switchagg.aggregator import SoftwareAggregator
@@ -24,14 +23,9 @@ from switchagg_controller.jobs import JobManager
 from switchagg_controller.service import make_server
 from switchagg_controller.store import Store
 from switchagg_controller.topology import TopologyError
-
-SPEC = """
-spine: {listen: 127.0.0.254:0}
-leaves:
-  - {name: rack0, listen: 127.0.1.254:0, subnets: [127.0.1.0/24]}
-  - {name: rack1, listen: 127.0.2.254:0, subnets: [127.0.2.0/24]}
-"""
-WORKER_IPS = ["127.0.1.1", "127.0.1.2", "127.0.2.1", "127.0.2.2"]
+from switchagg_lab.testing.controller import SECRET, Controller, collect, expected_int_sum, start_workers
+from switchagg_lab.testing.topologies import LOOPBACK_TWO_LEVEL as SPEC
+from switchagg_lab.testing.topologies import LOOPBACK_WORKER_IPS as WORKER_IPS
 
 
 def test_place_on_all_takes_the_lowest_range_free_everywhere() -> None:

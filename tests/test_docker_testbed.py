@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from docker_testbed import REPO, check_training, load_testbed, skip_reason
+
+from tests.docker_testbed import REPO, check_training, load_testbed, skip_reason
 
 COMMITTED = {"compose.soft.yml": ("soft", 4), "compose.bmv2.yml": ("bmv2", 4)}
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,39 +20,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("prometheus_client", reason="the metrics need prometheus-client (pip install .[metrics])")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator  # noqa: E402
+from switchagg_lab.testing.prom import Samples, scrape, value  # noqa: E402
 
 WAIT_S = 30.0
-PROMTOOL = shutil.which("promtool")
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(address: tuple[str, int]) -> Samples:
-    """GET /metrics, validated, as {(sample name, labels): value}."""
-    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=WAIT_S) as r:
-        text = r.read().decode()
-    if PROMTOOL is not None:  # the Prometheus project's own linter
-        check = subprocess.run(
-            [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
-        )
-        assert check.returncode == 0, check.stdout + check.stderr
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, frozenset(s.labels.items()))] = s.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of ``name`` over the samples whose labels include ``labels``."""
-    want = set(labels.items())
-    found = [v for (n, ls), v in samples.items() if n == name and want <= ls]
-    assert found, f"no sample {name}{labels}"
-    return sum(found)
 
 
 def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:

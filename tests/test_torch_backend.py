@@ -82,7 +82,7 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
 def test_job_service_data_plane(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
     sys.path.insert(0, str(Path(__file__).parent))
-    from controller_support import Controller
+    from switchagg_lab.testing.controller import Controller
 
     n = 2
     controller = Controller(tmp_path, ["--software", "--software-listen", "127.0.0.1:0"]).start()

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import itertools
 
-from bmv2_frames import result_port
-
 from switchagg import protocol
 from switchagg_controller.model import Job, WorkerAddr
+from switchagg_lab.bmv2.frames import result_port
 from switchagg_lab.testbed import Endpoint
 
 _generations = itertools.count(1)

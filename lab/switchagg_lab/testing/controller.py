@@ -177,3 +177,16 @@ async def aio_join(
         secret=secret, job_name=name, world_size=n, ip=ip, udp_port=udp_port, rank=-1, timeout_s=timeout
     )
     return await stub.Join(request, timeout=timeout + 30)
+
+
+def metrics_address(ctl: Controller) -> tuple[str, int]:
+    """Where `serve --metrics-port` listens, from its banner."""
+    url = ctl.banner.split("metrics on http://")[1].split("/")[0]
+    host, _, port = url.rpartition(":")
+    return host, int(port)
+
+
+def ctl_json(ctl: Controller, command: str, *args: str) -> dict[str, Any]:
+    out = ctl.ctl(command, *ctl.client_args(), "--json", *args).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result

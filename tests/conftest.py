@@ -1,0 +1,30 @@
+"""Fixtures of the unit and end-to-end tests (the shared kit itself is switchagg_lab.testing)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from switchagg_lab.testing.controller import Controller
+from switchagg_lab.testing.kit import free_port
+
+
+@pytest.fixture
+def software_controller(tmp_path: Path) -> Iterator[Controller]:
+    """`switchagg-ctl serve` on its embedded software aggregator, with a metrics port."""
+    ctl = Controller(
+        tmp_path,
+        [
+            "--software",
+            "--software-listen",
+            f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+            "--metrics-port",
+            "0",
+        ],
+    )
+    ctl.start()
+    yield ctl
+    ctl.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
+from tests.torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +79,6 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
 
 def test_job_service_data_plane(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
-    sys.path.insert(0, str(Path(__file__).parent))
     from switchagg_lab.testing.controller import Controller
 
     n = 2

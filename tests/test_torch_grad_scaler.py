@@ -6,8 +6,6 @@ through the network), so every rank skips the same steps and the scale follows g
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,17 +13,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from torch_backend_worker import (  # noqa: E402
+from switchagg import protocol  # noqa: E402
+from tests.torch_backend_worker import (  # noqa: E402
     SCALER_GROWTH_INTERVAL,
     SCALER_INIT_SCALE,
     SCALER_LR,
     SCALER_OVERFLOWS,
     SCALER_STEPS,
 )
-from torch_launch import finish, launch, read  # noqa: E402
-
-from switchagg import protocol  # noqa: E402
+from tests.torch_launch import finish, launch, read  # noqa: E402
 
 VARIANTS = ["switchagg", "hook"]
 # K = 256: the model's 1,348 gradients span 6 blocks, so an injected element poisons one of them.

@@ -16,8 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from torch_launch import finish, launch, read  # noqa: E402
+from tests.torch_launch import finish, launch, read  # noqa: E402
 
 N = 4
 ITERATIONS = 200

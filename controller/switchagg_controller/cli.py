@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -35,8 +34,7 @@ from switchagg._proto import jobs_pb2, jobs_pb2_grpc
 from switchagg.cli_util import add_renamed, add_version, quiet_broken_pipe, stdout_closed
 
 if TYPE_CHECKING:
-    from switchagg.aggregator import AggregatorHandle
-    from switchagg_controller.hierarchy import NodeSupervisor
+    from switchagg_controller.app import ControllerConfig
 
 
 DEFAULT_SERVICE = "127.0.0.1:50051"
@@ -128,216 +126,46 @@ def _add_p4(p: argparse.ArgumentParser) -> None:
 
 
 def _p4_artifacts(args: argparse.Namespace) -> tuple[Path, Path]:
-    from switchagg_controller import p4_program
+    from switchagg_controller.app import p4_artifacts
 
-    json_path = args.p4_json or p4_program.BMV2_JSON
-    p4info = args.p4info or p4_program.P4INFO
-    for path in (json_path, p4info):
-        if not Path(path).is_file():
-            raise CliError(f"{path} does not exist (build the P4 program first, or pass --p4-json/--p4info)")
-    return Path(json_path), Path(p4info)
+    return p4_artifacts(args.p4_json, args.p4info)
 
 
 # -- serve ------------------------------------------------------------------------------------
 
 
 def _serve(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve_on_loop(args))
+    from switchagg_controller.app import ControllerConfig
 
-
-async def _serve_on_loop(args: argparse.Namespace) -> int:
-    """The whole controller on one event loop: the job service (grpc.aio), the job manager, the
-    reaper and every switch's supervisor; the embedded software aggregators are C threads."""
-    from switchagg_controller import allocation
-    from switchagg_controller.dataplane import DataPlane, P4DataPlane, SoftwareDataPlane
-    from switchagg_controller.jobs import JobManager
-    from switchagg_controller.service import make_server, reap_forever
-    from switchagg_controller.store import Store
-
-    secret = _secret(args)
-    if not args.software and not args.topology and not args.two_level:
-        raise CliError(
-            "serve needs --topology (the P4 switch), --two-level (software leaves and spine) "
-            "or --software (an embedded software aggregator)"
-        )
-    planes: list[DataPlane] = []
-    fleet = None
-    aggregator = None
-    store = Store(args.state)
-    manager: JobManager | None = None
-    nodes: list[AggregatorHandle] = []  # the software aggregators the controller opened (to close)
-    node_supervisors: list[NodeSupervisor] = []  # watch the remote ones
-    if args.topology:
-        from switchagg_controller import p4_program
-        from switchagg_controller.hierarchy import NodeSupervisor, NodeWatch, open_all
-        from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
-        from switchagg_controller.topology import load_network
-
-        network = load_network(args.topology)
-        topologies = network.switches
-        json_path, p4info = _p4_artifacts(args)
-        spine_aggs, unreachable = open_all([(s.name, s.listen, s.remote) for s in network.software_spines])
-        nodes += spine_aggs
-        for warning in unreachable:
-            print(f"switchagg-ctl: warning: {warning}", file=sys.stderr)
-        p4_plane = P4DataPlane(
-            topologies,
-            default_slots=args.p4_slots,
-            software_spines=list(zip(network.software_spines, spine_aggs, strict=True)),
-        )
-        spine_names = [s.name for s in network.software_spines]
-
-        async def on_spine_restart(node: int) -> None:  # a remote software spine restarted or is back
-            if manager is not None:
-                jobs = manager.jobs(allocation.P4)  # read on the loop; the spine's calls block
-                spine = spine_names[node]
-                installed, removed = await asyncio.to_thread(p4_plane.reconcile_software_spine, spine, jobs)
-                print(
-                    f"switchagg-ctl: software spine {spine} reconciled: {installed} job(s) installed, "
-                    f"{removed} removed",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        if spine_aggs:
-            node_supervisors.append(NodeSupervisor(NodeWatch(spine_aggs), on_spine_restart))
-
-        def on_restart(switch: str) -> None:  # the switch lost its state: new generations for its jobs
-            if manager is not None:
-                p4_plane.set_jobs(
-                    manager.bump_generations(
-                        allocation.P4, lambda job: p4_plane.bumped_by_restart(job, switch)
-                    )
-                )
-
-        supervisors = [
-            SwitchSupervisor(
-                t,
-                json_path,
-                p4info,
-                desired=functools.partial(p4_plane.desired, t.name),
-                on_restart=functools.partial(on_restart, t.name),
-            )
-            for t in topologies
-        ]
-        for s in supervisors:
-            p4_plane.attach(s)
-        fleet = SwitchFleet(supervisors)
-        planes.append(p4_plane)
-        max_counter_index = p4_program.MAX_JOBS
-    else:
-        max_counter_index = 0
-    if args.two_level:
-        from switchagg_controller.hierarchy import (
-            NodeSupervisor,
-            NodeWatch,
-            TwoLevelDataPlane,
-            load_two_level,
-            open_nodes,
-        )
-
-        spec = load_two_level(args.two_level)
-        tl_nodes, unreachable = open_nodes(spec)
-        nodes += tl_nodes
-        for warning in unreachable:
-            print(f"switchagg-ctl: warning: {warning}", file=sys.stderr)
-        two_level = TwoLevelDataPlane(
-            spec, tl_nodes[0], tl_nodes[1:], k=args.sw_k, default_slots=args.sw_slots
-        )
-        planes.append(two_level)
-
-        async def on_node_restart(node: int) -> None:  # a remote node restarted or is back: its jobs again
-            if manager is not None:
-                jobs = manager.jobs(allocation.TWO_LEVEL)  # read on the loop; the node's calls block
-                installed, removed = await asyncio.to_thread(two_level.reconcile, node, jobs)
-                print(
-                    f"switchagg-ctl: two-level node {node} reconciled: {installed} job(s) installed, "
-                    f"{removed} removed",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        node_supervisors.append(NodeSupervisor(NodeWatch(tl_nodes), on_node_restart))
-    if args.software or args.fallback:
-        from switchagg.aggregator import SoftwareAggregator
-
-        host, _, port = args.software_listen.rpartition(":")
-        aggregator = SoftwareAggregator(host, int(port)).start()
-        planes.append(
-            SoftwareDataPlane(
-                aggregator, k=args.sw_k, default_slots=args.sw_slots, advertised_ip=args.software_advertise
-            )
-        )
-    manager = JobManager(
-        store,
-        planes,
-        join_timeout=args.join_timeout,
-        reap_timeout=args.reap_timeout,
-        max_counter_index=max_counter_index,
+    config = ControllerConfig(
+        secret=_secret(args),
+        **{name: getattr(args, name) for name in SERVE_FLAGS},
     )
-    reloaded = await manager.reload()
+    return asyncio.run(_serve_on_loop(config))
+
+
+# The serve flags that are ControllerConfig fields, by the same names.
+SERVE_FLAGS = (
+    "state", "listen", "topology", "two_level", "software", "fallback", "software_listen",
+    "software_advertise", "p4_json", "p4info", "p4_slots", "sw_k", "sw_slots", "switch_wait",
+    "join_timeout", "reap_timeout", "metrics_port", "metrics_host",
+)  # fmt: skip
+
+
+async def _serve_on_loop(config: ControllerConfig) -> int:
+    """The controller until SIGTERM or SIGINT."""
+    from switchagg_controller.app import Controller
+
+    controller = Controller(config)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopped.set)
-    server = None
-    reaper: asyncio.Task[None] | None = None
     try:
-        if fleet is not None:
-            fleet.start()
-            # Joins that arrive before the switches are programmed would fail; wait for them (bounded).
-            if not await fleet.wait_ready(args.switch_wait):
-                for s in fleet.supervisors:
-                    if not s.ready:
-                        print(
-                            f"switchagg-ctl: warning: the switch {s.name} is not ready yet ({s.last_error})",
-                            file=sys.stderr,
-                        )
-        on_join = None
-        served_metrics = ""
-        if args.metrics_port is not None:
-            try:
-                from switchagg_controller.metrics import ControllerMetrics
-            except ImportError as e:
-                raise CliError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
-            controller_metrics = ControllerMetrics(manager, fleet, loop)
-            metrics_host, metrics_port = controller_metrics.serve(args.metrics_port, args.metrics_host)
-            on_join = controller_metrics.observe_join
-            served_metrics = f"; metrics on http://{metrics_host}:{metrics_port}/metrics"
-        server, port = make_server(manager, secret, args.listen, on_join=on_join)
-        await server.start()
-        reaper = asyncio.create_task(reap_forever(manager), name="reaper")
-        for node_supervisor in node_supervisors:
-            node_supervisor.start()
-        listen = (
-            args.listen if args.listen.startswith("unix:") else f"{args.listen.rpartition(':')[0]}:{port}"
-        )
-        agg = f" software aggregator {aggregator.address[0]}:{aggregator.address[1]}" if aggregator else ""
-        if args.two_level:
-            spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in tl_nodes)
-            agg += f" two-level spine {spine} leaves {','.join(leaves)}"
-        print(
-            f"switchagg-ctl: job service on {listen};{agg} {len(reloaded)} job(s) reloaded{served_metrics}",
-            flush=True,
-        )
+        print(await controller.start(), flush=True)
         await stopped.wait()
     finally:
-        if server is not None:
-            await server.stop(grace=1.0)
-        if reaper is not None:
-            reaper.cancel()
-            await asyncio.gather(reaper, return_exceptions=True)
-        if fleet is not None:
-            await fleet.stop()
-        for node_supervisor in node_supervisors:
-            await node_supervisor.stop()
-        if aggregator is not None:
-            aggregator.stop()
-        if nodes:
-            from switchagg_controller.hierarchy import close_nodes
-
-            close_nodes(nodes)
-        store.close()
+        await controller.stop()
     return 0
 
 
@@ -698,10 +526,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if isinstance(e, BrokenPipeError) and stdout_closed():
             raise  # the reader went away (| head): quiet_broken_pipe ends it with 0
+        from switchagg_controller.app import ConfigError
         from switchagg_controller.jobs import JobError
         from switchagg_controller.topology import TopologyError
 
-        known: tuple[type[Exception], ...] = (CliError, TopologyError, JobError, OSError, ValueError)
+        known: tuple[type[Exception], ...] = (
+            CliError,
+            ConfigError,
+            TopologyError,
+            JobError,
+            OSError,
+            ValueError,
+        )
         try:
             from switchagg_controller.p4rt import P4RuntimeError
 

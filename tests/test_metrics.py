@@ -107,6 +107,80 @@ def _eventually(check: Callable[[], Samples | None], what: str) -> Samples:
         time.sleep(0.05)
 
 
+JOB_LABELS = {"job": "resnet", "job_id": "5", "data_plane": "software"}
+
+
+def _check_installed_job(samples: Samples) -> None:
+    job = JOB_LABELS
+    assert value(samples, "switchagg_job_aggregated_total", **job) == 0
+    assert value(samples, "switchagg_job_slots", **job) == 8
+    assert value(samples, "switchagg_job_workers", **job) == N
+    assert value(samples, "switchagg_slots_allocated", data_plane="software") == 8
+    assert value(samples, "switchagg_slots_free", data_plane="software") == protocol.POOL_SLOT_MASK + 1 - 8
+    assert value(samples, "switchagg_jobs") == 1
+    assert value(samples, "process_cpu_seconds_total") > 0
+
+
+def _lossy_rounds(
+    sessions: list[Session], agg_metrics: tuple[str, int], worker_address: tuple[str, int]
+) -> Samples:
+    """Two exact int32 allreduces through the lossy aggregator; after each, every counter on both
+    sides says what the round did. Returns the last scrape of both."""
+    job = JOB_LABELS
+    rng = np.random.default_rng(5)
+    inputs = [rng.integers(-1000, 1000, SIZE, dtype=np.int32) for _ in range(N)]
+    expected = np.sum(inputs, axis=0, dtype=np.int32)
+    now: Samples = {}
+    for round_ in (1, 2):
+        tensors = [x.copy() for x in inputs]
+        _allreduce_all(sessions, tensors)
+        assert all(np.array_equal(t, expected) for t in tensors)
+
+        def settled() -> Samples | None:
+            # Every DATA packet a worker sent was either dropped by the injector, or counted
+            # by the aggregator exactly once as aggregated, resent or retrans_ignored.
+            agg, wk = scrape(agg_metrics), scrape(worker_address)
+            sent = value(wk, "switchagg_worker_packets_sent_total", job_id="5")
+            accounted = sum(
+                value(agg, f"switchagg_job_{c}_total", **job)
+                for c in protocol.JOB_COUNTERS
+                if c != "multicast"
+            ) + value(agg, "switchagg_faults_injected_total", fault="dropped_in")
+            return {**agg, **wk} if sent == accounted else None
+
+        now = _eventually(settled, "the aggregator accounts for every packet the workers sent")
+        # int32: every chunk is one contribution per rank and one multicast, lost or not.
+        assert value(now, "switchagg_job_aggregated_total", **job) == round_ * N * CHUNKS
+        assert value(now, "switchagg_job_multicast_total", **job) == round_ * CHUNKS
+        assert value(now, "switchagg_worker_allreduces_total", job_id="5") == round_ * N
+        assert value(now, "switchagg_worker_allreduce_seconds_count", job_id="5") == round_ * N
+        assert value(now, "switchagg_worker_allreduce_bytes_total", job_id="5") == round_ * N * SIZE * 4
+        assert value(now, "switchagg_worker_results_total", job_id="5") == round_ * N * CHUNKS
+        assert value(now, "switchagg_packets_received_total") == value(
+            now, "switchagg_worker_packets_sent_total", job_id="5"
+        )
+    return now
+
+
+def _counted_once(agg_metrics: tuple[str, int], port: int, reason: str, packet: bytes) -> Samples:
+    """Sends ``packet`` until the aggregator's drop counter for ``reason`` counted it: the injector
+    drops 5% of what arrives (and counts those itself), so one send may not reach the parser."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+        for _ in range(20):
+            injected = value(scrape(agg_metrics), "switchagg_faults_injected_total", fault="dropped_in")
+            stranger.sendto(packet, ("127.0.0.1", port))
+
+            def counted(injected: float = injected) -> Samples | None:
+                s = scrape(agg_metrics)
+                dropped = value(s, "switchagg_faults_injected_total", fault="dropped_in")
+                return s if value(s, "switchagg_drops_total", reason=reason) or dropped > injected else None
+
+            drops = _eventually(counted, f"the {reason} packet is counted")
+            if value(drops, "switchagg_drops_total", reason=reason):
+                return drops
+    raise AssertionError(f"20 {reason} packets sent, none counted")
+
+
 def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: Any) -> None:
     workers = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
     port, agg_metrics = aggregator_cli(workers, "--drop-in", "0.05", "--seed", "3")
@@ -115,49 +189,10 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
         for r, w in enumerate(workers)
     ]
     try:
-        job = {"job": "resnet", "job_id": "5", "data_plane": "software"}
-        before = scrape(agg_metrics)
-        assert value(before, "switchagg_job_aggregated_total", **job) == 0
-        assert value(before, "switchagg_job_slots", **job) == 8
-        assert value(before, "switchagg_job_workers", **job) == N
-        assert value(before, "switchagg_slots_allocated", data_plane="software") == 8
-        assert value(before, "switchagg_slots_free", data_plane="software") == protocol.POOL_SLOT_MASK + 1 - 8
-        assert value(before, "switchagg_jobs") == 1
-        assert value(before, "process_cpu_seconds_total") > 0
-
-        rng = np.random.default_rng(5)
-        inputs = [rng.integers(-1000, 1000, SIZE, dtype=np.int32) for _ in range(N)]
-        expected = np.sum(inputs, axis=0, dtype=np.int32)
+        _check_installed_job(scrape(agg_metrics))
         worker_address = sessions[0].metrics_address
         assert worker_address is not None
-        for round_ in (1, 2):
-            tensors = [x.copy() for x in inputs]
-            _allreduce_all(sessions, tensors)
-            assert all(np.array_equal(t, expected) for t in tensors)
-
-            def settled() -> Samples | None:
-                # Every DATA packet a worker sent was either dropped by the injector, or counted
-                # by the aggregator exactly once as aggregated, resent or retrans_ignored.
-                agg, wk = scrape(agg_metrics), scrape(worker_address)
-                sent = value(wk, "switchagg_worker_packets_sent_total", job_id="5")
-                accounted = sum(
-                    value(agg, f"switchagg_job_{c}_total", **job)
-                    for c in protocol.JOB_COUNTERS
-                    if c != "multicast"
-                ) + value(agg, "switchagg_faults_injected_total", fault="dropped_in")
-                return {**agg, **wk} if sent == accounted else None
-
-            now = _eventually(settled, "the aggregator accounts for every packet the workers sent")
-            # int32: every chunk is one contribution per rank and one multicast, lost or not.
-            assert value(now, "switchagg_job_aggregated_total", **job) == round_ * N * CHUNKS
-            assert value(now, "switchagg_job_multicast_total", **job) == round_ * CHUNKS
-            assert value(now, "switchagg_worker_allreduces_total", job_id="5") == round_ * N
-            assert value(now, "switchagg_worker_allreduce_seconds_count", job_id="5") == round_ * N
-            assert value(now, "switchagg_worker_allreduce_bytes_total", job_id="5") == round_ * N * SIZE * 4
-            assert value(now, "switchagg_worker_results_total", job_id="5") == round_ * N * CHUNKS
-            assert value(now, "switchagg_packets_received_total") == value(
-                now, "switchagg_worker_packets_sent_total", job_id="5"
-            )
+        now = _lossy_rounds(sessions, agg_metrics, worker_address)
         # 5% of ~800 DATA packets were dropped: some were resent (by timer or fast retransmit),
         # and each resend was answered with the stored result, ignored, or aggregated.
         dropped = value(now, "switchagg_faults_injected_total", fault="dropped_in")
@@ -165,31 +200,13 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
         assert dropped > 0 and resends >= dropped
         assert value(now, "switchagg_worker_allreduce_seconds_sum", job_id="5") > 0
 
-        # A malformed and a spoofed packet are dropped by reason. The injector drops 5% of what
-        # arrives, so each is sent again until its reason counted it (the injector counts the rest).
+        # A malformed and a spoofed packet are dropped by reason, and change no sum.
         good = protocol.Header(job=5, rank=0, slot=100, values=[1] * K)
         bad_version = protocol.Header(**{**good.__dict__, "version": 9}).pack()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
-            for reason, packet in (("bad_version", bad_version), ("spoofed", good.pack())):
-                for _ in range(20):
-                    seen = scrape(agg_metrics)
-                    injected = value(seen, "switchagg_faults_injected_total", fault="dropped_in")
-                    stranger.sendto(packet, ("127.0.0.1", port))
-
-                    def counted(injected: float = injected, reason: str = reason) -> Samples | None:
-                        s = scrape(agg_metrics)
-                        dropped = value(s, "switchagg_faults_injected_total", fault="dropped_in")
-                        return (
-                            s
-                            if value(s, "switchagg_drops_total", reason=reason) or dropped > injected
-                            else None
-                        )
-
-                    drops = _eventually(counted, f"the {reason} packet is counted")
-                    if value(drops, "switchagg_drops_total", reason=reason):
-                        break
-                assert value(drops, "switchagg_drops_total", reason=reason) == 1
-        assert value(drops, "switchagg_job_aggregated_total", **job) == 2 * N * CHUNKS  # no sum changed
+        for reason, packet in (("bad_version", bad_version), ("spoofed", good.pack())):
+            drops = _counted_once(agg_metrics, port, reason, packet)
+            assert value(drops, "switchagg_drops_total", reason=reason) == 1
+        assert value(drops, "switchagg_job_aggregated_total", **JOB_LABELS) == 2 * N * CHUNKS
     finally:
         for s in sessions:
             s.close()

@@ -79,7 +79,7 @@ CHECK = textwrap.dedent(
 )
 
 
-def test_a_wheel_installed_outside_the_tree_finds_its_p4_program(tmp_path: Path) -> None:
+def _skip_unless_buildable() -> None:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("builds the wheel from the repository's files: needs git and a checkout")
     setuptools = pytest.importorskip("setuptools", reason="the wheel is built with setuptools")
@@ -88,9 +88,10 @@ def test_a_wheel_installed_outside_the_tree_finds_its_p4_program(tmp_path: Path)
     pytest.importorskip(
         "finsy", reason="the controller's P4 path needs its extra (pip install .[controller])"
     )
-    src, wheels, venv, elsewhere = (tmp_path / d for d in ("src", "wheels", "venv", "elsewhere"))
-    _source_tree(src)
-    elsewhere.mkdir()
+
+
+def _build_wheel(src: Path, wheels: Path, elsewhere: Path) -> Path:
+    """The wheel of ``src``; it carries the P4 artifacts and no C sources."""
     # --no-build-isolation: setuptools and numpy as installed here (no index needed)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
@@ -105,22 +106,27 @@ def test_a_wheel_installed_outside_the_tree_finds_its_p4_program(tmp_path: Path)
     for name in ARTIFACTS:
         assert f"switchagg_controller/p4/{name}" in names
     assert "csrc/" not in names  # the extension's sources are no package
+    return wheel
 
-    # The sdist carries what a wheel built from it needs: the headers, the artifacts as files
+
+def _check_sdist(src: Path, out: Path) -> None:
+    """The sdist carries what a wheel built from it needs: the headers, the artifacts as files."""
     sdist = subprocess.run(
-        [sys.executable, "-c", BUILD_SDIST, str(tmp_path / "sdist")],
-        capture_output=True, text=True, timeout=300, cwd=src,
-    )  # fmt: skip
+        [sys.executable, "-c", BUILD_SDIST, str(out)], capture_output=True, text=True, timeout=300, cwd=src
+    )
     assert sdist.returncode == 0, sdist.stderr
-    with tarfile.open(tmp_path / "sdist" / sdist.stdout.split()[-1]) as tar:
+    with tarfile.open(out / sdist.stdout.split()[-1]) as tar:
         members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
     headers = {str(p.relative_to(ROOT)) for p in (ROOT / "host/csrc").rglob("*.h")}
     assert headers and headers <= set(members)
     for name in ARTIFACTS:
         assert members[f"controller/switchagg_controller/p4/{name}"].isfile()
 
-    # A fresh venv; the deps (numpy, grpcio, finsy) come from this interpreter's site-packages,
-    # after the venv's own (a .pth line; --system-site-packages would skip a venv running this test)
+
+def _venv_with(wheel: Path, venv: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh venv with ``wheel`` installed: its python and the environment to run it in. The
+    deps (numpy, grpcio, finsy) come from this interpreter's site-packages, after the venv's own
+    (a .pth line; --system-site-packages would skip a venv running this test)."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     (site,) = venv.glob("lib/python3*/site-packages")
     here = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
@@ -132,9 +138,20 @@ def test_a_wheel_installed_outside_the_tree_finds_its_p4_program(tmp_path: Path)
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert install.returncode == 0, install.stdout + install.stderr
-
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return python, env
+
+
+def test_a_wheel_installed_outside_the_tree_finds_its_p4_program(tmp_path: Path) -> None:
+    _skip_unless_buildable()
+    src, wheels, venv, elsewhere = (tmp_path / d for d in ("src", "wheels", "venv", "elsewhere"))
+    _source_tree(src)
+    elsewhere.mkdir()
+    wheel = _build_wheel(src, wheels, elsewhere)
+    _check_sdist(src, tmp_path / "sdist")
+    python, env = _venv_with(wheel, venv)
+
     check = subprocess.run(
         [str(python), "-c", CHECK, str(venv), str(ROOT)],
         capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env,

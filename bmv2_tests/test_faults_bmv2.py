@@ -3,6 +3,7 @@ while another job keeps allreducing exactly through the same switch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,45 @@ def _lying_udp_length(e: Any, payload: bytes) -> bytes:
     return bytes(frame)
 
 
+def _bad_frames(
+    e: Any, pkt: Callable[..., bytes], full: bytes, running: Any
+) -> dict[str, list[tuple[int, bytes]]]:
+    """Drop reason -> the (sending endpoint, frame) pairs that must be dropped for it: rank 1's
+    DATA of the idle job (``full``) altered one way each."""
+    # reason -> (sending endpoint, frame)
+    bad: dict[str, list[tuple[int, bytes]]] = {
+        "bad_version": [(3, data_frame(e[3], pkt(rank=1, version=1)))],
+        "bad_type": [(3, data_frame(e[3], pkt(rank=1, type=protocol.MSG_RESULT)))],
+        "unknown_job": [(3, data_frame(e[3], pkt(rank=1, job=999)))],
+        "bad_rank": [(3, data_frame(e[3], pkt(rank=2)))],
+        "spoofed": [
+            (5, data_frame(e[5], full)),  # rank 1 of the idle job from a foreign port
+            (5, data_frame(e[5], full, src_ip=e[3].ip)),  # ... even with rank 1's source address
+            (
+                3,
+                data_frame(e[3], full, sport=result_port(e[3]) + 1000),
+            ),  # rank 1's port, another UDP port
+            (2, data_frame(e[2], full)),  # rank 0's port claiming rank 1
+            (
+                5,
+                data_frame(e[5], pkt(job=running.job_id, slot=running.slot_base)),
+            ),  # into the running job
+        ],
+        "bad_pool": [
+            (3, data_frame(e[3], pkt(rank=1, slot=running.slot_base))),
+            (3, data_frame(e[3], pkt(rank=1, slot=5))),
+        ],
+        "truncated": [
+            (3, data_frame(e[3], full[:10])),
+            (3, data_frame(e[3], full[:-4])),
+            (3, data_frame(e[3], full + b"\0" * 4)),
+            (3, data_frame(e[3], pkt(rank=1, elems=63))),
+            (3, _lying_udp_length(e[3], full[:100])),
+        ],
+    }
+    return bad
+
+
 def test_bad_packets_dropped_counted_and_harmless(bed: Any, switch: Any, tmp_path: Path) -> None:
     e = bed.endpoints
     running = make_job(41, e[0:2], slot_base=300, slot_count=8, counter_index=5)
@@ -63,37 +103,7 @@ def test_bad_packets_dropped_counted_and_harmless(bed: Any, switch: Any, tmp_pat
         assert state["count"][0] == 1 and state["bitmap"][0] == 1
 
         full = pkt(rank=1)
-        # reason -> (sending endpoint, frame)
-        bad: dict[str, list[tuple[int, bytes]]] = {
-            "bad_version": [(3, data_frame(e[3], pkt(rank=1, version=1)))],
-            "bad_type": [(3, data_frame(e[3], pkt(rank=1, type=protocol.MSG_RESULT)))],
-            "unknown_job": [(3, data_frame(e[3], pkt(rank=1, job=999)))],
-            "bad_rank": [(3, data_frame(e[3], pkt(rank=2)))],
-            "spoofed": [
-                (5, data_frame(e[5], full)),  # rank 1 of the idle job from a foreign port
-                (5, data_frame(e[5], full, src_ip=e[3].ip)),  # ... even with rank 1's source address
-                (
-                    3,
-                    data_frame(e[3], full, sport=result_port(e[3]) + 1000),
-                ),  # rank 1's port, another UDP port
-                (2, data_frame(e[2], full)),  # rank 0's port claiming rank 1
-                (
-                    5,
-                    data_frame(e[5], pkt(job=running.job_id, slot=running.slot_base)),
-                ),  # into the running job
-            ],
-            "bad_pool": [
-                (3, data_frame(e[3], pkt(rank=1, slot=running.slot_base))),
-                (3, data_frame(e[3], pkt(rank=1, slot=5))),
-            ],
-            "truncated": [
-                (3, data_frame(e[3], full[:10])),
-                (3, data_frame(e[3], full[:-4])),
-                (3, data_frame(e[3], full + b"\0" * 4)),
-                (3, data_frame(e[3], pkt(rank=1, elems=63))),
-                (3, _lying_udp_length(e[3], full[:100])),
-            ],
-        }
+        bad = _bad_frames(e, pkt, full, running)
         before = counters(switch, {idle.job_id: idle.counter_index})
         for frames in bad.values():
             for sender, f in frames:

@@ -17,8 +17,8 @@ import pytest
 
 from switchagg.aggregator_control import ControlError, RemoteAggregator
 from switchagg_controller.allocation import TWO_LEVEL
-from switchagg_controller.hierarchy import parse_two_level
 from switchagg_controller.topology import TopologyError
+from switchagg_controller.two_level_spec import parse_two_level
 from switchagg_lab.testing.controller import SECRET, Controller, collect, expected_int_sum, start_workers
 from switchagg_lab.testing.reliability import Reliability
 from switchagg_lab.testing.remote_nodes import NODE_SECRET, remote_nodes, remote_nodes_spec
@@ -185,8 +185,10 @@ def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path, reli
 
 def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:
     """A node that was unreachable may hold a job removed meanwhile, or miss one installed."""
-    from switchagg_controller.hierarchy import TwoLevelDataPlane, close_nodes, load_two_level, open_nodes
     from switchagg_controller.model import Job, WorkerAddr
+    from switchagg_controller.software_nodes import close_nodes, open_nodes
+    from switchagg_controller.two_level_plane import TwoLevelDataPlane
+    from switchagg_controller.two_level_spec import load_two_level
 
     nodes = remote_nodes(tmp_path)
     for a in nodes:

@@ -18,11 +18,12 @@ from switchagg import Session
 from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller.allocation import SOFTWARE, TWO_LEVEL, AllocationError, Placement, SlotAllocator
 from switchagg_controller.dataplane import SoftwareDataPlane
-from switchagg_controller.hierarchy import TwoLevelDataPlane, parse_two_level
 from switchagg_controller.jobs import JobManager
 from switchagg_controller.service import make_server
 from switchagg_controller.store import Store
 from switchagg_controller.topology import TopologyError
+from switchagg_controller.two_level_plane import TwoLevelDataPlane
+from switchagg_controller.two_level_spec import parse_two_level
 from switchagg_lab.testing.controller import SECRET, Controller, collect, expected_int_sum, start_workers
 from switchagg_lab.testing.topologies import LOOPBACK_TWO_LEVEL as SPEC
 from switchagg_lab.testing.topologies import LOOPBACK_WORKER_IPS as WORKER_IPS

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
     from switchagg.aggregator import AggregatorHandle, SoftwareAggregator
     from switchagg_controller.dataplane import DataPlane
-    from switchagg_controller.hierarchy import NodeSupervisor
     from switchagg_controller.jobs import JobManager
     from switchagg_controller.service import JoinObserver
+    from switchagg_controller.software_nodes import NodeSupervisor
     from switchagg_controller.store import Store
     from switchagg_controller.supervisor import SwitchFleet
 
@@ -109,7 +109,7 @@ class Controller:
     def _build_p4(self, topology: str) -> None:
         from switchagg_controller import p4_program
         from switchagg_controller.dataplane import P4DataPlane
-        from switchagg_controller.hierarchy import NodeSupervisor, NodeWatch, open_all
+        from switchagg_controller.software_nodes import NodeSupervisor, NodeWatch, open_all
         from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
         from switchagg_controller.topology import load_network
 
@@ -160,13 +160,9 @@ class Controller:
         self.max_counter_index = p4_program.MAX_JOBS
 
     def _build_two_level(self, path: str) -> None:
-        from switchagg_controller.hierarchy import (
-            NodeSupervisor,
-            NodeWatch,
-            TwoLevelDataPlane,
-            load_two_level,
-            open_nodes,
-        )
+        from switchagg_controller.software_nodes import NodeSupervisor, NodeWatch, open_nodes
+        from switchagg_controller.two_level_plane import TwoLevelDataPlane
+        from switchagg_controller.two_level_spec import load_two_level
 
         spec = load_two_level(path)
         nodes, unreachable = open_nodes(spec)
@@ -281,7 +277,7 @@ class Controller:
         if self.aggregator is not None:
             self.aggregator.stop()
         if self.nodes:
-            from switchagg_controller.hierarchy import close_nodes
+            from switchagg_controller.software_nodes import close_nodes
 
             close_nodes(self.nodes)
         if self.store is not None:

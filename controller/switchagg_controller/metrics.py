@@ -26,11 +26,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from switchagg import aggregator, metrics, protocol
 from switchagg.aggregator import AggregatorHandle
 from switchagg.aggregator_control import RemoteAggregator
-from switchagg_controller import allocation, hierarchy, p4_program
+from switchagg_controller import allocation, p4_program
 from switchagg_controller.dataplane import P4DataPlane, SoftwareDataPlane
-from switchagg_controller.hierarchy import TwoLevelDataPlane
 from switchagg_controller.jobs import JobManager, JobView
 from switchagg_controller.supervisor import Counters, SwitchFleet
+from switchagg_controller.two_level_plane import TwoLevelDataPlane
+from switchagg_controller.two_level_spec import SPINE
 
 JOB_STATES = ("pending", "active")
 SWITCH = ("switch", "data_plane")
@@ -141,7 +142,7 @@ class ControllerMetrics:
             nodes.append((f"{host}:{port}", allocation.SOFTWARE, software.agg))
         two = self.manager.planes.get(allocation.TWO_LEVEL)
         if isinstance(two, TwoLevelDataPlane):
-            nodes.append((hierarchy.SPINE, allocation.TWO_LEVEL, two.spine))
+            nodes.append((SPINE, allocation.TWO_LEVEL, two.spine))
             nodes += [
                 (s.name, allocation.TWO_LEVEL, a) for s, a in zip(two.spec.leaves, two.leaves, strict=True)
             ]

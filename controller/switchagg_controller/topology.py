@@ -66,7 +66,7 @@ class TopologyError(ValueError):
     """A topology file is malformed; str() is 'file:line: field: problem'."""
 
 
-class _Node:
+class YamlNode:
     """A YAML node's value and line, so every check can point at its source."""
 
     def __init__(self, source: str, node: yaml.Node, path: str) -> None:
@@ -77,28 +77,28 @@ class _Node:
         where = f"{self.path}: " if self.path else ""
         return TopologyError(f"{self.source}:{self.line}: {where}{message}")
 
-    def mapping(self, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, _Node]:
+    def mapping(self, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, YamlNode]:
         if not isinstance(self.node, yaml.MappingNode):
             raise self.fail("expected a mapping")
-        out: dict[str, _Node] = {}
+        out: dict[str, YamlNode] = {}
         for key_node, value_node in self.node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             sub = f"{self.path}.{key}" if self.path else str(key)
             if key not in required + optional:
                 known = ", ".join(required + optional)
-                raise _Node(self.source, key_node, sub).fail(f"unknown field (known: {known})")
+                raise YamlNode(self.source, key_node, sub).fail(f"unknown field (known: {known})")
             if key in out:
-                raise _Node(self.source, key_node, sub).fail("given twice")
-            out[key] = _Node(self.source, value_node, sub)
+                raise YamlNode(self.source, key_node, sub).fail("given twice")
+            out[key] = YamlNode(self.source, value_node, sub)
         for key in required:
             if key not in out:
                 raise self.fail(f"missing field {key!r}")
         return out
 
-    def sequence(self) -> list[_Node]:
+    def sequence(self) -> list[YamlNode]:
         if not isinstance(self.node, yaml.SequenceNode):
             raise self.fail("expected a list")
-        return [_Node(self.source, n, f"{self.path}[{i}]") for i, n in enumerate(self.node.value)]
+        return [YamlNode(self.source, n, f"{self.path}[{i}]") for i, n in enumerate(self.node.value)]
 
     def scalar(self) -> Any:
         if not isinstance(self.node, yaml.ScalarNode):
@@ -130,7 +130,7 @@ class _Node:
             raise self.fail(f"{value!r} is not an IPv4 address") from None
 
 
-def _switch_address(node: _Node) -> str:
+def _switch_address(node: YamlNode) -> str:
     value = node.text()
     if value.startswith("unix:") and len(value) > len("unix:"):
         return value  # a Unix socket path (gRPC's "unix:/path" form)
@@ -140,7 +140,7 @@ def _switch_address(node: _Node) -> str:
     return value
 
 
-def _election(node: _Node) -> tuple[int, int]:
+def _election(node: YamlNode) -> tuple[int, int]:
     parts = node.sequence()
     if len(parts) != 2:
         raise node.fail("expected [high, low]")
@@ -150,7 +150,7 @@ def _election(node: _Node) -> tuple[int, int]:
     return election
 
 
-def _hosts(node: _Node, ips: dict[str, str], allow_none: bool = False) -> tuple[HostPort, ...]:
+def _hosts(node: YamlNode, ips: dict[str, str], allow_none: bool = False) -> tuple[HostPort, ...]:
     """The hosts of one switch: names, ports and MACs unique on it, IPs across every switch
     (``ips``: those of the switches so far), since a worker is placed by its address."""
     hosts = []
@@ -179,10 +179,10 @@ def _hosts(node: _Node, ips: dict[str, str], allow_none: bool = False) -> tuple[
 
 def _topology(
     name: str,
-    switch: dict[str, _Node],
-    agg_node: _Node,
-    hosts_node: _Node,
-    cpu_node: _Node | None,
+    switch: dict[str, YamlNode],
+    agg_node: YamlNode,
+    hosts_node: YamlNode,
+    cpu_node: YamlNode | None,
     ips: dict[str, str],
     uplink: Uplink | None = None,
     allow_no_hosts: bool = False,
@@ -202,7 +202,7 @@ def _topology(
     )
 
 
-def _address(node: _Node) -> tuple[str, int]:
+def parse_address(node: YamlNode) -> tuple[str, int]:
     host, sep, port = node.text().rpartition(":")
     try:
         ipaddress.IPv4Address(host)
@@ -216,7 +216,7 @@ def _address(node: _Node) -> tuple[str, int]:
 REMOTE_KEYS = ("control", "secret_file")
 
 
-def _remote(f: dict[str, _Node], base: Path) -> Remote | None:
+def parse_remote(f: dict[str, YamlNode], base: Path) -> Remote | None:
     """A software aggregator run elsewhere (both keys), or None (embedded in the controller)."""
     if "control" not in f and "secret_file" not in f:
         return None
@@ -229,23 +229,23 @@ def _remote(f: dict[str, _Node], base: Path) -> Remote | None:
     return Remote(f["control"].text(), base / f["secret_file"].text())
 
 
-def _software_spines(node: _Node, base: Path) -> tuple[list[SoftwareSpine], dict[str, _Node]]:
+def _software_spines(node: YamlNode, base: Path) -> tuple[list[SoftwareSpine], dict[str, YamlNode]]:
     out: list[SoftwareSpine] = []
-    nodes: dict[str, _Node] = {}
+    nodes: dict[str, YamlNode] = {}
     for item in node.sequence():
         f = item.mapping(("name", "listen", "mac"), REMOTE_KEYS)
         name = f["name"].text()
         if not name or name in nodes:
             raise f["name"].fail(f"{name!r} is empty or names another software spine too")
-        ip, port = _address(f["listen"])
+        ip, port = parse_address(f["listen"])
         if port == 0:
             raise f["listen"].fail("the leaves need the spine's real port, not 0")
-        out.append(SoftwareSpine(name, ip, port, f["mac"].mac(), _remote(f, base)))
+        out.append(SoftwareSpine(name, ip, port, f["mac"].mac(), parse_remote(f, base)))
         nodes[name] = item
     return out, nodes
 
 
-def _uplink(node: _Node, software_spines: set[str]) -> Uplink:
+def _uplink(node: YamlNode, software_spines: set[str]) -> Uplink:
     """A leaf's uplink: to a P4 spine (its port there too), or to a software spine (no port)."""
     target = node.mapping(("switch", "port"), ("spine_port",))["switch"].text()
     if target in software_spines:
@@ -255,7 +255,7 @@ def _uplink(node: _Node, software_spines: set[str]) -> Uplink:
     return Uplink(target, f["port"].integer(0, 510), f["spine_port"].integer(0, 510))
 
 
-def _spines(switches: list[_Node]) -> set[str]:
+def _spines(switches: list[YamlNode]) -> set[str]:
     """The switches some leaf names as its spine (they may have no hosts)."""
     out = set()
     for node in switches:
@@ -270,7 +270,7 @@ def _spines(switches: list[_Node]) -> set[str]:
     return out
 
 
-def _check_uplinks(out: list[Topology], nodes: dict[str, _Node], software_spines: set[str]) -> None:
+def _check_uplinks(out: list[Topology], nodes: dict[str, YamlNode], software_spines: set[str]) -> None:
     """Two levels exactly: a leaf's spine exists, is no leaf itself, and its ports are free."""
     by_name = {t.name: t for t in out}
     used: dict[tuple[str, int], str] = {(t.name, h.port): f"host {h.name!r}" for t in out for h in t.hosts}
@@ -312,7 +312,7 @@ def parse_network(text: str, source: str = "<topology>", base: Path | None = Non
         raise TopologyError(f"{source}:{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
     if root_node is None:
         raise TopologyError(f"{source}:1: the file is empty")
-    root = _Node(source, root_node, "")
+    root = YamlNode(source, root_node, "")
     ips: dict[str, str] = {}
     is_list = isinstance(root_node, yaml.MappingNode) and any(
         isinstance(k, yaml.ScalarNode) and k.value == "switches" for k, _ in root_node.value
@@ -334,7 +334,7 @@ def parse_network(text: str, source: str = "<topology>", base: Path | None = Non
     endpoints: dict[tuple[str, int], str] = {}
     nodes = switches_node.sequence()
     spines = _spines(nodes)
-    uplink_nodes: dict[str, _Node] = {}
+    uplink_nodes: dict[str, YamlNode] = {}
     for node in nodes:
         fields = node.mapping(
             ("name", "address", "device_id", "aggregator", "hosts"), ("election_id", "cpu_port", "uplink")

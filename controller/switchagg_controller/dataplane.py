@@ -488,27 +488,21 @@ class P4DataPlane:
         """Every switch's counters, read in parallel; a switch that is away (or slower than
         ``timeout``) is left out and named in ``unavailable``, the others answer."""
         from switchagg_controller import p4_program
+        from switchagg_controller.supervisor import read_counters
 
         names = [
             p4_program.DROP_COUNTER,
             *p4_program.JOB_COUNTER_NAMES.values(),
             *p4_program.LEAF_COUNTER_NAMES.values(),
         ]
-        supervisors = list(self.supervisors.values())
-
-        async def one(s: SwitchSupervisor) -> dict[str, dict[int, tuple[int, int]]] | Exception:
-            try:
-                return await asyncio.wait_for(s.read_counters(names), timeout)
-            except Exception as e:
-                return e
-
         reading = CounterReading()
         for spine in self.spine_planes.values():
             r = await spine.counters()
             reading.values += r.values
             reading.unavailable |= r.unavailable
-        for s, values in zip(supervisors, await asyncio.gather(*map(one, supervisors)), strict=True):
-            plane = self.label(s.name)
+        read = await read_counters(list(self.supervisors.values()), names, timeout)
+        for switch, values in read.items():
+            plane = self.label(switch)
             if isinstance(values, Exception):
                 reading.unavailable[plane] = str(values) or type(values).__name__
                 continue
@@ -517,8 +511,8 @@ class P4DataPlane:
                 CounterValue(plane, "drops", name, 0, drops.get(i, (0, 0))[1], drops.get(i, (0, 0))[0])
                 for i, name in enumerate(protocol.DROP_REASONS)
             ]
-            jobs = self.jobs_on(s.name)
-            leaf_jobs = [j for j in jobs if self.is_leaf_of(j, s.name)]
+            jobs = self.jobs_on(switch)
+            leaf_jobs = [j for j in jobs if self.is_leaf_of(j, switch)]
             for counter_names, counted in (
                 (p4_program.JOB_COUNTER_NAMES, jobs),
                 (p4_program.LEAF_COUNTER_NAMES, leaf_jobs),

@@ -217,6 +217,23 @@ class SwitchSupervisor:
         return SwitchUnavailable(f"the switch {self.name} at {self.address} is not ready ({self.last_error})")
 
 
+async def read_counters(
+    supervisors: list[SwitchSupervisor], names: list[str], timeout: float
+) -> dict[str, Counters | Exception]:
+    """The P4 counter reader: every switch's counter arrays ``names``, the switches read in
+    parallel; a switch that is away, or slower than ``timeout``, gives its error instead (a reader
+    must not hang on it). Keyed by switch name."""
+
+    async def one(s: SwitchSupervisor) -> Counters | Exception:
+        try:
+            return await asyncio.wait_for(s.read_counters(names), timeout)
+        except Exception as e:
+            return e
+
+    results = await asyncio.gather(*(one(s) for s in supervisors))
+    return {s.name: r for s, r in zip(supervisors, results, strict=True)}
+
+
 class SwitchFleet:
     """The supervisors of all switches, each connection loop a task on the running loop."""
 
@@ -234,17 +251,7 @@ class SwitchFleet:
         return all(await asyncio.gather(*(s.wait_ready(timeout) for s in self.supervisors)))
 
     async def read_counters(self, names: list[str], timeout: float) -> dict[str, Counters | Exception]:
-        """Every switch's counter arrays ``names``, the switches read in parallel; a switch that is
-        away, or slower than ``timeout``, gives its error instead (a reader must not hang on it)."""
-
-        async def one(s: SwitchSupervisor) -> Counters | Exception:
-            try:
-                return await asyncio.wait_for(s.read_counters(names), timeout)
-            except Exception as e:
-                return e
-
-        results = await asyncio.gather(*(one(s) for s in self.supervisors))
-        return {s.name: r for s, r in zip(self.supervisors, results, strict=True)}
+        return await read_counters(self.supervisors, names, timeout)
 
     async def stop(self) -> None:
         for t in self._tasks:

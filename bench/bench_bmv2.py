@@ -34,7 +34,7 @@ from switchagg import protocol
 from switchagg_controller import p4_program
 from switchagg_controller.switch_session import SwitchSession
 from switchagg_lab.bmv2.frames import RESULT_PORT_BASE, counters, data_frame
-from switchagg_lab.bmv2.jobs import make_job
+from switchagg_lab.bmv2.switch_jobs import make_job
 from switchagg_lab.testbed import Endpoint, Testbed
 from switchagg_lab.testbed.tools import find_tool, missing_for_switch, tool_env
 from switchagg_lab.testing.progress import Steps

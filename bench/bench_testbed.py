@@ -82,7 +82,7 @@ def _cpu() -> tuple[int, int]:
 
 
 def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: int) -> list[str]:
-    from switchagg_lab.testbed.service import worker_env
+    from switchagg_lab.testbed.testbed_controller import worker_env
 
     procs = []
     for e in bed.endpoints:
@@ -239,7 +239,7 @@ def train_both(bed: Any, workdir: Path, rate: float, hidden: int, progress: Step
 
 def bench(args: argparse.Namespace) -> int:
     from switchagg_lab.testbed import Testbed, tools
-    from switchagg_lab.testbed.service import start_job_service
+    from switchagg_lab.testbed.testbed_controller import start_job_service
 
     reason = tools.missing_for(["ip", "tc"], "bench_testbed")
     if reason:

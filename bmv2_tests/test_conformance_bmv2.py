@@ -30,7 +30,7 @@ from switchagg.protocol import P4_K
 from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_lab.bmv2.frames import counters, data_frame, delta, frame_problems, result_port
-from switchagg_lab.bmv2.jobs import GenerationMap
+from switchagg_lab.bmv2.switch_jobs import GenerationMap
 
 VECTORS = load_vectors(default_vector_dir())
 TWO_LEVEL = load_vectors(two_level_vector_dir())

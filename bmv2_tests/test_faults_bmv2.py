@@ -14,8 +14,8 @@ from switchagg import protocol
 from switchagg.protocol import Header
 from switchagg_controller import p4_program
 from switchagg_lab.bmv2.frames import Wire, counters, data_frame, delta, result_port
-from switchagg_lab.bmv2.jobs import make_job
 from switchagg_lab.bmv2.run import check_results, finish, start_job
+from switchagg_lab.bmv2.switch_jobs import make_job
 
 REPEAT = 3  # copies of each bad packet
 

@@ -26,7 +26,7 @@ WORKER = (
 
 
 def _cli(env: dict[str, str], command: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "switchagg_lab.testbed.cli", command, "--name", NAME, *args]
+    argv = [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", command, "--name", NAME, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -3,7 +3,7 @@
 # into rack ports, then execs the command. Each data network "rack<p>" (subnet 10.77.<p>.0/24) is
 # one cable from switch port p to one worker; Docker's address on it only tells which cable an
 # interface is, and is removed, so that the cable carries nothing but rack traffic (10.201.0.0/24,
-# as in lab/switchagg_lab/testbed/topology.py).
+# as in lab/switchagg_lab/testbed/rack.py).
 #
 #   rack-entry.sh worker PORT CMD...      the cable of port PORT gets 02:5a:00:00:00:PORT and
 #                                         10.201.0.PORT/24, checksum offload off; GLOO_SOCKET_IFNAME

@@ -12,7 +12,7 @@
 
 The rack: switch port p (1..n) is its own internal Docker network rack<p> (10.77.<p>.0/24) shared
 by the switch container and worker p-1 only; docker/rack-entry.sh turns those interfaces into rack
-ports with the addresses of lab/switchagg_lab/testbed/topology.py (10.201.0.p, aggregator
+ports with the addresses of lab/switchagg_lab/testbed/rack.py (10.201.0.p, aggregator
 10.201.0.254). Rendezvous, gloo and aggregation traffic cross the switch; the job service and
 P4Runtime use the internal network mgmt. Nothing is published or routed off the host.
 """
@@ -50,7 +50,7 @@ P4_IMAGE_DEFAULT = "p4lang/behavioral-model:latest"
 LOCAL_P4_IMAGE = "switchagg-p4:local"  # what docker/p4-image-from-prefix.sh makes
 IMAGE_LABEL = "org.switchagg.testbed=1"  # on every image built here (the Dockerfiles)
 
-# Addresses: the rack is lab/switchagg_lab/testbed/topology.py's; Docker's own subnets only cable it.
+# Addresses: the rack is lab/switchagg_lab/testbed/rack.py's; Docker's own subnets only cable it.
 RACK_SUBNET = "10.201.0."
 AGG_IP = "10.201.0.254"
 AGG_MAC = "02:5a:00:00:00:fe"

@@ -222,7 +222,7 @@ def test_rates_refused(text: str) -> None:
 
 
 def test_testbed_up_parses_rates_and_the_data_plane() -> None:
-    from switchagg_lab.testbed.cli import build_parser
+    from switchagg_lab.testbed.testbed_cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["up", "--racks", "2,2", "--rate", "1gbit", "--uplink-rate", "200mbit"])
@@ -243,7 +243,7 @@ def test_testbed_up_parses_rates_and_the_data_plane() -> None:
     ],
 )
 def test_testbed_up_refuses(argv: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from switchagg_lab.testbed.cli import build_parser
+    from switchagg_lab.testbed.testbed_cli import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
@@ -262,7 +262,7 @@ def _subparser_help(parser: object, command: str) -> str:
 
 def test_one_flag_name_per_idea_old_names_hidden(capsys: pytest.CaptureFixture[str]) -> None:
     from switchagg_controller.cli import build_parser as ctl_parser
-    from switchagg_lab.testbed.cli import build_parser as testbed_parser
+    from switchagg_lab.testbed.testbed_cli import build_parser as testbed_parser
 
     ctl = ctl_parser()
     for command in ("counters", "top"):  # again and again: --interval SECONDS, --count N

@@ -14,8 +14,8 @@ from switchagg import protocol
 from switchagg._proto import jobs_pb2, jobs_pb2_grpc
 from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller.allocation import P4, SOFTWARE, AllocationError, SlotAllocator, SlotPool
-from switchagg_controller.dataplane import SoftwareDataPlane
 from switchagg_controller.jobs import JobManager
+from switchagg_controller.planes import SoftwareDataPlane
 from switchagg_controller.service import make_server
 from switchagg_controller.store import Store
 from switchagg_lab.testing.controller import aio_join

@@ -15,8 +15,8 @@ from switchagg import protocol
 from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller import p4_program as p4
 from switchagg_controller.allocation import SlotAllocator
-from switchagg_controller.dataplane import P4DataPlane, spine_pool
 from switchagg_controller.model import Job, Remote, SoftwareSpine, Uplink
+from switchagg_controller.planes import P4DataPlane, spine_pool
 from switchagg_controller.topology import TopologyError, dump_topologies, parse_network, parse_topologies
 
 MIXED = """\
@@ -177,7 +177,7 @@ def test_a_remote_spine_that_is_away_makes_the_install_unavailable(tmp_path: Pat
     """Nothing serves its control socket: the job is not placed here, and the reason says the
     data plane is away (the workers hear UNAVAILABLE, as for a switch away), not full."""
     from switchagg.aggregator_control import RemoteAggregator
-    from switchagg_controller.dataplane import DataPlaneError
+    from switchagg_controller.planes import DataPlaneError
 
     net = parse_network(MIXED, "net.yaml")
     remote = RemoteAggregator(f"unix:{tmp_path}/nobody.sock", "s", timeout=0.5, address=("127.0.0.1", 48879))

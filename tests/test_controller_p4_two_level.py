@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from switchagg_controller import p4_program as p4
-from switchagg_controller.dataplane import DataPlaneError, P4DataPlane
 from switchagg_controller.model import Job, SwitchState
+from switchagg_controller.planes import DataPlaneError, P4DataPlane
 from switchagg_controller.topology import parse_topologies
 from switchagg_lab.testing.topologies import LEAVES
 

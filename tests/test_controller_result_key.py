@@ -19,9 +19,9 @@ from switchagg._proto import jobs_pb2_grpc
 from switchagg.aggregator import MAX_KEY, SoftwareAggregator, new_key
 from switchagg.aggregator_control import RemoteAggregator
 from switchagg_controller import allocation
-from switchagg_controller.dataplane import SoftwareDataPlane, reconcile_jobs
 from switchagg_controller.jobs import JobManager
 from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.planes import SoftwareDataPlane, reconcile_jobs
 from switchagg_controller.service import make_server
 from switchagg_controller.store import JobRecord, Store
 from switchagg_lab.testing.checks import check_results

@@ -17,8 +17,8 @@ import pytest
 from switchagg import Session
 from switchagg.aggregator import SoftwareAggregator
 from switchagg_controller.allocation import SOFTWARE, TWO_LEVEL, AllocationError, Placement, SlotAllocator
-from switchagg_controller.dataplane import SoftwareDataPlane
 from switchagg_controller.jobs import JobManager
+from switchagg_controller.planes import SoftwareDataPlane
 from switchagg_controller.service import make_server
 from switchagg_controller.store import Store
 from switchagg_controller.topology import TopologyError

@@ -28,7 +28,7 @@ def test_the_committed_topology_is_generated() -> None:
 
 def test_the_generated_topology_is_valid_for_the_controller() -> None:
     from switchagg_controller.topology import parse_topology
-    from switchagg_lab.testbed.topology import AGG_IP, AGG_MAC
+    from switchagg_lab.testbed.rack import AGG_IP, AGG_MAC
 
     tb = load_testbed()
     topo = parse_topology(tb.topology_text(8))

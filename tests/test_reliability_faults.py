@@ -125,7 +125,7 @@ def fault_counts(bed: Any) -> dict[str, int]:
 def rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SoftwareAggregator]]:
     if RACK_REASON:
         pytest.skip(RACK_REASON)
-    from switchagg_lab.testbed.topology import AGG_IP, Testbed
+    from switchagg_lab.testbed.rack import AGG_IP, Testbed
 
     with Testbed(N, tmp_path_factory.mktemp("rack"), data_plane="soft", rate_mbit=1000) as bed:
         with netns.in_netns(bed.switch_ns):

@@ -17,7 +17,7 @@ import pytest
 
 from switchagg import protocol
 from switchagg_lab.testbed import netns, tools
-from switchagg_lab.testbed.topology import AGG_IP, Testbed
+from switchagg_lab.testbed.rack import AGG_IP, Testbed
 
 REASON = tools.missing_for(["ip", "tc"], "the testbed tests")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -103,7 +103,7 @@ def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> No
 
 def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "switchagg_lab.testbed.cli", *args],
+        [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -162,7 +162,7 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     assert ctl.returncode == 0 and "jobs" in json.loads(ctl.stdout), ctl.stderr
 
     # | head: the relay stops writing, the ranks run to the end, exit status 0, no traceback
-    testbed = f"{sys.executable} -m switchagg_lab.testbed.cli"
+    testbed = f"{sys.executable} -m switchagg_lab.testbed.testbed_cli"
     piped = subprocess.run(
         ["bash", "-c", f"set -o pipefail; {testbed} run --name {NAME} -- seq 200000 | head -1"],
         capture_output=True, text=True, timeout=120, env=env,

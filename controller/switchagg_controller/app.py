@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     import grpc.aio
 
     from switchagg.aggregator import AggregatorHandle, SoftwareAggregator
-    from switchagg_controller.dataplane import DataPlane
     from switchagg_controller.jobs import JobManager
+    from switchagg_controller.planes import DataPlane
     from switchagg_controller.service import JoinObserver
     from switchagg_controller.software_nodes import NodeSupervisor
     from switchagg_controller.store import Store
@@ -108,7 +108,7 @@ class Controller:
 
     def _build_p4(self, topology: str) -> None:
         from switchagg_controller import p4_program
-        from switchagg_controller.dataplane import P4DataPlane
+        from switchagg_controller.planes import P4DataPlane
         from switchagg_controller.software_nodes import NodeSupervisor, NodeWatch, open_all
         from switchagg_controller.supervisor import SwitchFleet, SwitchSupervisor
         from switchagg_controller.topology import load_network
@@ -185,7 +185,7 @@ class Controller:
 
     def _build_software(self) -> None:
         from switchagg.aggregator import SoftwareAggregator
-        from switchagg_controller.dataplane import SoftwareDataPlane
+        from switchagg_controller.planes import SoftwareDataPlane
 
         host, _, port = self.config.software_listen.rpartition(":")
         self.aggregator = SoftwareAggregator(host, int(port)).start()
@@ -215,7 +215,7 @@ class Controller:
         if self.config.metrics_port is None:
             return "", None
         try:
-            from switchagg_controller.metrics import ControllerMetrics
+            from switchagg_controller.controller_metrics import ControllerMetrics
         except ImportError as e:
             raise ConfigError(f"{e}: --metrics-port needs pip install 'switchagg[metrics]'") from None
         metrics = ControllerMetrics(manager, self.fleet, asyncio.get_running_loop())

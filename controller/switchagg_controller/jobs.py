@@ -28,8 +28,8 @@ from switchagg.aggregator import new_key
 from switchagg.jobclient import Assignment  # the answer a worker gets: one definition for both sides
 from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
-from switchagg_controller.dataplane import DataPlane, DataPlaneError
 from switchagg_controller.model import Job
+from switchagg_controller.planes import DataPlane, DataPlaneError
 from switchagg_controller.store import JobRecord, Store
 
 MAX_JOB_ID = 0xFFFF

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 from switchagg import protocol
 from switchagg_controller import allocation
-from switchagg_controller.dataplane import (
+from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.planes import (
     CounterReading,
     CounterValue,
     DataPlaneError,
     job_counters,
     reconcile_jobs,
 )
-from switchagg_controller.model import Job, WorkerAddr
 from switchagg_controller.two_level_spec import SPINE, TwoLevelSpec
 
 if TYPE_CHECKING:

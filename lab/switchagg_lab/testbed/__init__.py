@@ -7,6 +7,6 @@ Needs root and iproute2 (plus nftables for loss, ethtool and bmv2 for the bmv2 d
 """
 
 from switchagg_lab.testbed.netns import Endpoint, TestbedError, in_netns
-from switchagg_lab.testbed.topology import AGG_IP, AGG_MAC, Testbed
+from switchagg_lab.testbed.rack import AGG_IP, AGG_MAC, Testbed
 
 __all__ = ["AGG_IP", "AGG_MAC", "Endpoint", "Testbed", "TestbedError", "in_netns"]

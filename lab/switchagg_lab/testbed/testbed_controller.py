@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from switchagg import protocol
 from switchagg_lab.testbed.netns import Endpoint, TestbedError
-from switchagg_lab.testbed.topology import AGG_IP, Testbed
+from switchagg_lab.testbed.rack import AGG_IP, Testbed
 
 if TYPE_CHECKING:
     from switchagg_lab.testbed.racks import Racks

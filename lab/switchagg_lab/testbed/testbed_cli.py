@@ -8,7 +8,7 @@
     switchagg-testbed down
     switchagg-testbed up --racks 4,4 --rate 400mbit --uplink-rate 200mbit   # two levels: leaves, a spine
 
-`up` builds the namespaces and links (switchagg_lab.testbed.topology) and starts the job service
+`up` builds the namespaces and links (switchagg_lab.testbed.rack) and starts the job service
 (`switchagg-ctl serve`) in the switch namespace: with `--data-plane software` it serves jobs on its
 software aggregator at 10.201.0.254, with `bmv2` it programs simple_switch_grpc. `run` starts the
 command once per worker namespace, with RANK/WORLD_SIZE/MASTER_ADDR and the SWITCHAGG_* variables
@@ -41,14 +41,14 @@ from typing import Any
 from switchagg import protocol
 from switchagg.cli_util import add_version, parse_rate, quiet_broken_pipe, silence_stdout
 from switchagg_lab.testbed import netns, racks, tools
+from switchagg_lab.testbed.rack import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
 from switchagg_lab.testbed.racks import SPINE_IP, Racks
-from switchagg_lab.testbed.service import (
+from switchagg_lab.testbed.testbed_controller import (
     service_address,
     start_job_service,
     start_two_level_service,
     worker_env,
 )
-from switchagg_lab.testbed.topology import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
 
 STATE_ROOT = Path(os.environ.get("SWITCHAGG_TESTBED_DIR", "/run/switchagg-testbed"))
 NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")

@@ -27,8 +27,8 @@ from switchagg import aggregator, metrics, protocol
 from switchagg.aggregator import AggregatorHandle
 from switchagg.aggregator_control import RemoteAggregator
 from switchagg_controller import allocation, p4_program
-from switchagg_controller.dataplane import P4DataPlane, SoftwareDataPlane
 from switchagg_controller.jobs import JobManager, JobView
+from switchagg_controller.planes import P4DataPlane, SoftwareDataPlane
 from switchagg_controller.supervisor import Counters, SwitchFleet
 from switchagg_controller.two_level_plane import TwoLevelDataPlane
 from switchagg_controller.two_level_spec import SPINE

@@ -13,7 +13,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from switchagg import _core, protocol
+from switchagg_lab.testing.kit import free_port
 from switchagg_lab.testing.progress import Steps
 
 
@@ -56,12 +56,6 @@ def bench_quantize(mb: int, reps: int, k: int) -> dict[str, float]:
         # A round trip reads the buffer and writes it back once, like one copy does.
         "ratio_to_copy": t_copy / (t_q + t_d),
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _time_allreduces(allreduce: Any, fresh: Any, reps: int, bar: Any) -> list[float]:
@@ -165,7 +159,7 @@ def bench_allreduce(n: int, mb: int, reps: int, k: int, slots: int, gloo: bool) 
         "retransmits": sum(s["retransmits"] for s in stats),
     }
     if gloo:
-        g_times, _ = _run(_gloo_worker, n, (_free_port(), n_el, reps))
+        g_times, _ = _run(_gloo_worker, n, (free_port(), n_el, reps))
         row["gloo_s"] = statistics.median(g_times)
         row["speedup_vs_gloo"] = row["gloo_s"] / t_sa
     return row

@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from switchagg_lab.testing.kit import free_port
 from switchagg_lab.testing.progress import Steps
 
 WIDTH = 1024
@@ -137,19 +137,12 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- launcher side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = out / "ddp.json.partial"
     result.unlink(missing_ok=True)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     env.update(WORLD_SIZE=str(args.workers), SWITCHAGG_BENCH_RESULT=str(result))
     env.pop("SWITCHAGG_JOB_SERVICE", None)  # the benchmark measures the embedded software aggregator
     procs = [

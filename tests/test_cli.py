@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import switchagg
-from switchagg_lab.testing.controller import SECRET, Controller, free_port
+from switchagg_lab.testing.controller import SECRET, Controller
+from switchagg_lab.testing.kit import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = (ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 is supported

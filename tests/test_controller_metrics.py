@@ -16,7 +16,8 @@ pytest.importorskip("finsy", reason="the controller needs its extra (pip install
 
 from switchagg import protocol  # noqa: E402
 from switchagg_controller import allocation  # noqa: E402
-from switchagg_lab.testing.controller import SECRET, Controller, ctl_json, free_port, metrics_address  # noqa: E402
+from switchagg_lab.testing.controller import SECRET, Controller, ctl_json, metrics_address  # noqa: E402
+from switchagg_lab.testing.kit import free_port  # noqa: E402
 from switchagg_lab.testing.prom import scrape, scrape_until, value  # noqa: E402
 from switchagg_lab.testing.stepped import LENGTH, leave, read_line, step, stepped_worker  # noqa: E402
 

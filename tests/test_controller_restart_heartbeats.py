@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from switchagg import Session, jobclient
-from switchagg_lab.testing.controller import SECRET, Controller, free_port
+from switchagg_lab.testing.controller import SECRET, Controller
+from switchagg_lab.testing.kit import free_port
 
 REAP_TIMEOUT = 2.0  # 20 heartbeats: a loaded machine may stall a beating thread a while
 N, LENGTH = 2, 40000  # several chunks per slot at the default K

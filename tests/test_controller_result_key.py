@@ -26,7 +26,8 @@ from switchagg_controller.service import make_server
 from switchagg_controller.store import JobRecord, Store
 from switchagg_lab.testing.checks import check_results
 from switchagg_lab.testing.control import ControlledAggregator
-from switchagg_lab.testing.controller import SECRET, Controller, aio_join, free_port
+from switchagg_lab.testing.controller import SECRET, Controller, aio_join
+from switchagg_lab.testing.kit import free_port
 from switchagg_lab.testing.local import run_job
 
 

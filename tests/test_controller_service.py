@@ -22,9 +22,9 @@ from switchagg_lab.testing.controller import (
     aio_join,
     collect,
     expected_int_sum,
-    free_port,
     start_workers,
 )
+from switchagg_lab.testing.kit import free_port
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ pytest.importorskip("prometheus_client", reason="the metrics need prometheus-cli
 
 from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator  # noqa: E402
+from switchagg_lab.testing.kit import free_port
 from switchagg_lab.testing.prom import Samples, scrape, value  # noqa: E402
 
 WAIT_S = 30.0
@@ -229,14 +230,8 @@ def test_a_timed_out_allreduce_is_counted() -> None:
     assert not [k for k in after if k[0].startswith("switchagg_worker_allreduce_seconds")]  # none finished
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_environment_turns_worker_metrics_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    base = _free_tcp_port() - 1
+    base = free_port() - 1
     monkeypatch.setenv("SWITCHAGG_METRICS_PORT", str(base))
     monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second rank on this host: base + 1
     with Session(7, 1, 2, ("127.0.0.1", 9)) as s:

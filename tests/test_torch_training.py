@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +11,14 @@ from typing import Any
 
 import pytest
 
+from switchagg_lab.testing.kit import free_port
+
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
 EPOCHS = 5
 WORLD = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def train(backend: str, tmp: Path) -> dict[str, Any]:

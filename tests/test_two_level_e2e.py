@@ -5,7 +5,6 @@ every hop in both directions (nftables)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,22 +16,11 @@ from switchagg.protocol import UDP_PORT
 from switchagg_lab.testbed import tools
 from switchagg_lab.testing.checks import check_results, inputs, result_file
 from switchagg_lab.testing.hierarchy import Layout, Node, run_hierarchy
+from switchagg_lab.testing.kit import free_ports
 from switchagg_lab.testing.reliability import Reliability
 
 RACKS = [2, 2]
 N = sum(RACKS)
-
-
-def free_ports(count: int) -> list[int]:
-    """UDP ports free on 127.0.0.1 now (the aggregators bind them a moment later)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def ok(procs: list[subprocess.CompletedProcess[str]]) -> None:

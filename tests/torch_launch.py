@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ from typing import Any
 
 import pytest
 
+from switchagg_lab.testing.kit import free_port
+
 WORKER = str(Path(__file__).parent / "torch_backend_worker.py")
 HANG_GUARD = 180  # seconds; only there so that a hang fails instead of blocking CI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

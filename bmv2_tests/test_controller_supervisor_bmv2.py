@@ -36,11 +36,7 @@ async def _entries(address: str) -> int:
         return len([e for e in await p4rt.read_table_entries(r) if not e.is_default_action])
 
 
-def test_ready_after_a_restart_means_reprogrammed(bmv2: Bmv2Switch) -> None:
-    asyncio.run(_ready_means_reprogrammed(bmv2))
-
-
-async def _ready_means_reprogrammed(bmv2: Bmv2Switch) -> None:
+async def test_ready_after_a_restart_means_reprogrammed(bmv2: Bmv2Switch) -> None:
     topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
     jobs = _jobs()
     state = p4_program.desired_state(topo, jobs)
@@ -66,13 +62,9 @@ async def _ready_means_reprogrammed(bmv2: Bmv2Switch) -> None:
         assert await sup.push() == 0  # the state is all there: a push changes nothing
 
 
-def test_a_switch_away_for_a_while_is_reprogrammed_when_it_is_back(bmv2: Bmv2Switch) -> None:
+async def test_a_switch_away_for_a_while_is_reprogrammed_when_it_is_back(bmv2: Bmv2Switch) -> None:
     """The supervisor's own connection loop: attempts that fail while the switch is away (its
     backoff grows to RETRY_MAX meanwhile) do not end it; the switch, back empty, gets everything."""
-    asyncio.run(_away_for_a_while(bmv2))
-
-
-async def _away_for_a_while(bmv2: Bmv2Switch) -> None:
     topo = parse_topology(topology_yaml(bmv2.grpc_address, hosts=HOSTS))
     jobs = _jobs()
     sup = SwitchSupervisor(

@@ -94,11 +94,7 @@ def test_fallback_placement_says_where_it_went() -> None:
         SlotAllocator(p4_slots=None).place([(P4, 1)])
 
 
-def test_concurrent_joins_for_several_jobs_get_disjoint_slots(tmp_path: Path) -> None:
-    asyncio.run(_concurrent_joins(tmp_path))
-
-
-async def _concurrent_joins(tmp_path: Path) -> None:
+async def test_concurrent_joins_for_several_jobs_get_disjoint_slots(tmp_path: Path) -> None:
     """In process: the job service on this test's event loop, 24 joins waiting at once on it."""
     jobs, n = 6, 4
     with SoftwareAggregator("127.0.0.1", 0) as agg:

@@ -5,7 +5,6 @@ range on the P4 pool and the spine's pool; a restarted spine reconciled to exact
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,7 +106,9 @@ def _plane(agg: SoftwareAggregator) -> P4DataPlane:
     return P4DataPlane(net.switches, software_spines=[(net.software_spines[0], agg)])
 
 
-def test_the_leaves_address_the_software_spine_and_it_sums_the_leaves(spine: SoftwareAggregator) -> None:
+async def test_the_leaves_address_the_software_spine_and_it_sums_the_leaves(
+    spine: SoftwareAggregator,
+) -> None:
     plane = _plane(spine)
     job = _job(plane, ["10.0.1.1", "10.0.0.1", "10.0.0.2"])  # rank 0 behind l1, ranks 1, 2 behind l0
     assert plane.route(job) == ("sspine", ["l0", "l1"])
@@ -131,10 +132,10 @@ def test_the_leaves_address_the_software_spine_and_it_sums_the_leaves(spine: Sof
         (0, "10.0.0.254", 48879),
         (1, "10.0.1.254", 48879),
     ]
-    asyncio.run(plane.spine_planes["sspine"].install(view))
+    await plane.spine_planes["sspine"].install(view)
     installed = spine.jobs()[3]
     assert (installed.n, installed.slot_base, installed.slot_count, installed.k) == (2, 32, 8, protocol.P4_K)
-    reading = asyncio.run(plane.counters())  # no supervisors here: only the spine answers
+    reading = await plane.counters()  # no supervisors here: only the spine answers
     assert {c.data_plane for c in reading.values} == {"p4:sspine"}
 
 
@@ -161,19 +162,19 @@ def test_a_restarted_spine_is_reconciled_to_exactly_its_jobs(spine: SoftwareAggr
     assert plane.reconcile_software_spine("sspine", [mine, local]) == (0, 0)  # idempotent
 
 
-def test_reloaded_jobs_are_put_back_on_the_software_spine(spine: SoftwareAggregator) -> None:
+async def test_reloaded_jobs_are_put_back_on_the_software_spine(spine: SoftwareAggregator) -> None:
     """A controller restart: restore() installs the spine's part at once (the leaves get theirs
     from their supervisors when they connect; none here)."""
     plane = _plane(spine)
     across = _job(plane, ["10.0.0.1", "10.0.1.1"], job_id=4)
     local = _job(plane, ["10.0.0.1"], job_id=8)
-    asyncio.run(plane.restore([across, local]))
+    await plane.restore([across, local])
     assert set(spine.jobs()) == {4} and spine.jobs()[4].n == 2
-    asyncio.run(plane.remove(across))  # the leaves are away: the spine still lets it go
+    await plane.remove(across)  # the leaves are away: the spine still lets it go
     assert spine.jobs() == {}
 
 
-def test_a_remote_spine_that_is_away_makes_the_install_unavailable(tmp_path: Path) -> None:
+async def test_a_remote_spine_that_is_away_makes_the_install_unavailable(tmp_path: Path) -> None:
     """Nothing serves its control socket: the job is not placed here, and the reason says the
     data plane is away (the workers hear UNAVAILABLE, as for a switch away), not full."""
     from switchagg.aggregator_control import RemoteAggregator
@@ -185,10 +186,10 @@ def test_a_remote_spine_that_is_away_makes_the_install_unavailable(tmp_path: Pat
         plane = P4DataPlane(net.switches, software_spines=[(net.software_spines[0], remote)])
         job = _job(plane, ["10.0.0.1", "10.0.1.1"])
         with pytest.raises(DataPlaneError, match="sspine refused job 3") as e:
-            asyncio.run(plane.install(job))
+            await plane.install(job)
         assert e.value.unavailable
         assert plane.jobs_on("l0") == []  # not left on the leaves either
-        reading = asyncio.run(plane.counters())
+        reading = await plane.counters()
         assert list(reading.unavailable) == ["p4:sspine"]
     finally:
         remote.close()

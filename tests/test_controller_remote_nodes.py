@@ -5,7 +5,6 @@ killed and restarted while a job runs is reconciled by the controller."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -183,7 +182,7 @@ def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path, reli
             a.stop()
 
 
-def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:
+async def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:
     """A node that was unreachable may hold a job removed meanwhile, or miss one installed."""
     from switchagg_controller.model import Job, WorkerAddr
     from switchagg_controller.software_nodes import close_nodes, open_nodes
@@ -202,8 +201,8 @@ def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:
         workers = tuple(WorkerAddr(r, ip, 7000 + r) for r, ip in enumerate(WORKER_IPS))
         job = Job(5, "j", 4, 0, 16, 64, 3, workers)
         rack0_only = Job(6, "r0", 1, 16, 8, 64, 4, (WorkerAddr(0, "127.0.1.9", 7100),))
-        asyncio.run(plane.install(job))
-        asyncio.run(plane.install(rack0_only))
+        await plane.install(job)
+        await plane.install(rack0_only)
         rack1 = handles[2]
         assert set(rack1.jobs()) == {5}
         rack1.add_job(9, 2, 100, 4, 8, 1, [("127.0.2.8", 5000), ("127.0.2.9", 5001)])  # removed meanwhile

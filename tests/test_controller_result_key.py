@@ -94,11 +94,7 @@ def test_a_store_from_before_keys_opens_and_its_jobs_stay_unkeyed(tmp_path: Path
 # ---- the job manager: Join, reinstall, reload ------------------------------------------------
 
 
-def test_join_reinstall_and_reload_keep_one_key_per_job(tmp_path: Path) -> None:
-    asyncio.run(_join_reinstall_reload(tmp_path))
-
-
-async def _join_reinstall_reload(tmp_path: Path) -> None:
+async def test_join_reinstall_and_reload_keep_one_key_per_job(tmp_path: Path) -> None:
     """In process, so the test can read what the aggregator holds: the job service on this
     loop, a real SoftwareAggregator behind the software data plane."""
     with SoftwareAggregator("127.0.0.1", 0) as agg:

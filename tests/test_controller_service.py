@@ -311,17 +311,13 @@ def test_a_worker_bound_to_any_address_reports_a_real_one(tmp_path: Path) -> Non
         Session.from_job_service(f"unix:{tmp_path}/none.sock", SECRET, "any", 1, bind=("0.0.0.0", 0))
 
 
-def test_sixteen_concurrent_joins_on_one_loop_are_all_answered_without_overlap(
+async def test_sixteen_concurrent_joins_on_one_loop_are_all_answered_without_overlap(
     controller: Controller,
 ) -> None:
     """16 joins through the real gRPC port, all waiting at once on the service's one event loop:
     a job of 8 and two of 4, interleaved. The 8-worker job's last member is held back until
     ListJobs (answered meanwhile) shows the other 7 waiting; then every join is answered, each
     job with ranks 0..n-1 and one slot range, the ranges disjoint."""
-    asyncio.run(_sixteen_joins(controller))
-
-
-async def _sixteen_joins(controller: Controller) -> None:
     from switchagg._proto import jobs_pb2, jobs_pb2_grpc
 
     sizes = {"big": 8, "left": 4, "right": 4}

@@ -104,11 +104,7 @@ async def _join_all(manager: JobManager, name: str, ips: list[str], ports: list[
     )
 
 
-def test_manager_installs_per_leaf_and_falls_back_to_flat(tmp_path: Path) -> None:
-    asyncio.run(_installs_per_leaf(tmp_path))
-
-
-async def _installs_per_leaf(tmp_path: Path) -> None:
+async def test_manager_installs_per_leaf_and_falls_back_to_flat(tmp_path: Path) -> None:
     spec = parse_two_level(SPEC)
     with (
         SoftwareAggregator(*spec.spine) as spine,
@@ -144,11 +140,7 @@ async def _installs_per_leaf(tmp_path: Path) -> None:
         assert manager.allocator.ranges("two-level:rack0") == []
 
 
-def test_sessions_through_the_manager_sum_exactly(tmp_path: Path) -> None:
-    asyncio.run(_sessions_sum_exactly(tmp_path))
-
-
-async def _sessions_sum_exactly(tmp_path: Path) -> None:
+async def test_sessions_through_the_manager_sum_exactly(tmp_path: Path) -> None:
     """In process: the job service on this test's loop, real Sessions (threads: they are the
     workers) on 4 loopback addresses, real aggregators."""
     spec = parse_two_level(SPEC)

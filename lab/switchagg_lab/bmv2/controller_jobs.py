@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg_lab.testing.controller import SECRET
+from switchagg_lab.testing.kit import json_reports
 
 WORKER = [sys.executable, "-m", "switchagg_lab.bmv2.dp_worker"]
 
@@ -58,17 +59,8 @@ def stop_together(stop: Path, tmp: Path, name: str, endpoints: Any) -> None:
 
 
 def worker_reports(procs: list[Any], timeout: float = 300) -> list[dict[str, Any]]:
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a worker hung") from None
-        assert p.returncode == 0, stderr[-2000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    """Each dp_worker's final report (bounded; a failed or hung worker fails the test)."""
+    return json_reports(procs, timeout)
 
 
 def job_counters(address: str, index: int, names: dict[str, str]) -> dict[str, int]:

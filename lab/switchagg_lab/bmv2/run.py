@@ -10,6 +10,7 @@ from switchagg import protocol
 from switchagg_controller.model import Job
 from switchagg_lab.testbed import AGG_IP, Endpoint
 from switchagg_lab.testing import checks
+from switchagg_lab.testing.kit import wait_all
 from switchagg_lab.testing.local import WORKER
 
 
@@ -37,17 +38,11 @@ def start_job(
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 300) -> None:
     """Waits for every worker (bounded) and fails with their stderr if one failed."""
-    errors = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate(timeout=30)
-            errors.append(f"a rank hung and was killed: {err.strip()[-1500:]}")
-            continue
-        if p.returncode != 0:
-            errors.append(f"rank exited {p.returncode}: {err.strip()[-1500:]}")
+    errors = [
+        f"rank exited {d.returncode}: {d.stderr.strip()[-1500:]}"
+        for d in wait_all(procs, timeout)
+        if d.returncode
+    ]
     assert not errors, "\n".join(errors)
 
 

@@ -16,6 +16,7 @@ from switchagg_controller import p4_program
 from switchagg_controller.model import Job, WorkerAddr
 from switchagg_lab.testbed.p4racks import SPINE_IP, SPINE_MAC, UPLINK_PORT, P4Racks, leaf_ip, leaf_mac
 from switchagg_lab.testing.hierarchy import Node
+from switchagg_lab.testing.kit import wait_all
 from switchagg_lab.testing.local import WORKER
 
 JOB = 1
@@ -140,13 +141,4 @@ def wait_workers(
     procs: list[subprocess.Popen[str]], timeout: float = 300
 ) -> list[subprocess.CompletedProcess[str]]:
     """Every worker's outcome (bounded: a hung one is killed and reported as such)."""
-    done = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, e = p.communicate(timeout=30)
-            e = f"killed: hung past {timeout} s\n{e}"
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-    return done
+    return wait_all(procs, timeout)

@@ -7,9 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
+
+from switchagg_lab.testing.kit import json_reports
 
 SECRET = "s3cret-for-tests"
 
@@ -137,19 +138,8 @@ def start_workers(
 
 
 def collect(procs: list[subprocess.Popen[str]], timeout: float = 120.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a worker process hung") from None
-        if p.returncode != 0:
-            raise AssertionError(f"worker failed ({p.returncode}): {err}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    """Each WORKER's report (bounded; a failed or hung worker fails the test)."""
+    return json_reports(procs, timeout)
 
 
 def expected_int_sum(n: int, length: int, seed: int) -> tuple[int, list[int]]:

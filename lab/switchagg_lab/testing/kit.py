@@ -1,10 +1,14 @@
-"""The shared test kit: free ports and a bounded wait, one of each for tests, bench and lab."""
+"""The shared test kit, one of each for tests, bench and lab: free ports, a bounded wait, and the
+collection of worker processes (a hung one is killed, never waited for forever)."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
@@ -35,3 +39,29 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def wait_all(
+    procs: Sequence[subprocess.Popen[str]], timeout: float = 300.0
+) -> list[subprocess.CompletedProcess[str]]:
+    """Every process's outcome within one deadline; one still running at the deadline is killed
+    and its stderr says so (a hung rank must not hang the test)."""
+    deadline = time.monotonic() + timeout
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate(timeout=30)
+            err = f"killed: still running {timeout:g} s after the wait began\n{err}"
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def json_reports(procs: Sequence[subprocess.Popen[str]], timeout: float = 300.0) -> list[dict[str, Any]]:
+    """The last stdout line of each process, as JSON, once all exited 0 (else the failures' stderr)."""
+    done = wait_all(procs, timeout)
+    failed = [f"exit {d.returncode}: {(d.stderr or '').strip()[-2000:]}" for d in done if d.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return [json.loads(d.stdout.strip().splitlines()[-1]) for d in done]

@@ -9,7 +9,6 @@ skipped, with the reason, where bmv2 or the compiled P4 program is missing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from switchagg_lab.bmv2.controller_jobs import start_workers, topology_file, worker_reports
 from switchagg_lab.testing.controller import Controller
+from switchagg_lab.testing.kit import wait_until
 
 
 @pytest.fixture
@@ -59,11 +59,12 @@ def test_switch_restart_under_running_workers_never_gives_a_wrong_sum(
         except (OSError, ValueError):
             return 0
 
-    deadline = time.monotonic() + 120
-    while min(done(e.index) for e in own_bed.endpoints) < 3:  # let every worker get going
-        assert time.monotonic() < deadline, "the workers never made progress"
-        assert all(p.poll() is None for p in procs), "a worker ended early"
-        time.sleep(0.1)
+    wait_until(  # let every worker get going
+        lambda: min(done(e.index) for e in own_bed.endpoints) >= 3,
+        120,
+        "3 allreduces on every worker",
+        alive=procs,
+    )
     assert max(done(e.index) for e in own_bed.endpoints) < 400 and all(p.poll() is None for p in procs)
     own_bed.switch.restart()  # the switch dies mid-training and comes back without any state
 

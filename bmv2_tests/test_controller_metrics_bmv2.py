@@ -4,7 +4,6 @@ the switch shows up as `switchagg_switch_up 0` and the scrape still answers."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from switchagg_lab.bmv2.controller_jobs import (  # noqa: E402
     worker_reports,
 )
 from switchagg_lab.testing.controller import Controller, metrics_address  # noqa: E402
+from switchagg_lab.testing.kit import wait_until
 from switchagg_lab.testing.prom import scrape, value  # noqa: E402
 
 LENGTH = 1000  # switchagg_lab.bmv2.dp_worker's tensors
@@ -28,12 +28,14 @@ CHUNKS = -(-LENGTH // protocol.P4_K)
 
 
 def _wait_progress(tmp: Path, name: str, bed: Any, procs: list[Any], at_least: int) -> list[int]:
-    deadline = time.monotonic() + 120
-    while min(done := progress(tmp, name, bed.endpoints)) < at_least:
-        assert time.monotonic() < deadline, f"the workers never reached {at_least} allreduces: {done}"
-        assert all(p.poll() is None for p in procs), "a worker ended early"
-        time.sleep(0.05)
-    return done
+    wait_until(
+        lambda: min(progress(tmp, name, bed.endpoints)) >= at_least,
+        120,
+        f"{at_least} allreduces on every worker",
+        0.05,
+        alive=procs,
+    )
+    return progress(tmp, name, bed.endpoints)
 
 
 def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, tmp_path: Path) -> None:

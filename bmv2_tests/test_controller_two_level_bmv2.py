@@ -6,7 +6,6 @@ as its aggregator, and the sums are exact. Skipped, with the reason, where bmv2 
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from switchagg_lab.bmv2.controller_jobs import (
 )
 from switchagg_lab.bmv2.skip import skip_reason
 from switchagg_lab.testing.controller import Controller
+from switchagg_lab.testing.kit import wait_until
 
 RACKS = [2, 2]
 METRICS = importlib.util.find_spec("prometheus_client") is not None  # pip install .[metrics]
@@ -68,11 +68,13 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
     try:
         workers = SimpleNamespace(endpoints=racks.workers)
         procs = start_workers(workers, c.address, tmp_path, "tl", iterations=100_000, timeout=30, stop=stop)
-        deadline = time.monotonic() + 120
-        while min_progress(tmp_path, "tl", racks.workers) < 3:  # the job runs (it ends when they leave)
-            assert time.monotonic() < deadline, "the workers made no progress"
-            assert all(p.poll() is None for p in procs), "a worker ended early"
-            time.sleep(0.05)
+        wait_until(  # the job runs (it ends when they leave)
+            lambda: min_progress(tmp_path, "tl", racks.workers) >= 3,
+            120,
+            "the workers' progress",
+            0.05,
+            alive=procs,
+        )
         # Every leaf sends partials up and multicasts the spine's results; the spine sums the leaves.
         names = p4_program.JOB_COUNTER_NAMES | p4_program.LEAF_COUNTER_NAMES
         leaves = [job_counters(sw.grpc_address, 0, names) for sw in racks.leaves]
@@ -125,29 +127,35 @@ def test_a_leaf_restarted_under_running_workers_is_reprogrammed_and_no_sum_is_wr
     try:
         workers = SimpleNamespace(endpoints=racks.workers)
         procs = start_workers(workers, c.address, tmp_path, "rs", iterations=100_000, timeout=20, stop=stop)
-        deadline = time.monotonic() + 120
-        while min_progress(tmp_path, "rs", racks.workers) < 3:
-            assert time.monotonic() < deadline, "the workers made no progress"
-            assert all(p.poll() is None for p in procs), "a worker ended early"
-            time.sleep(0.05)
+        wait_until(
+            lambda: min_progress(tmp_path, "rs", racks.workers) >= 3,
+            120,
+            "the workers' progress",
+            0.05,
+            alive=procs,
+        )
         job_id = 1  # the first job of a fresh controller
         generation = job_generation(racks.spine.grpc_address, job_id)
         assert generation is not None and job_generation(racks.leaves[0].grpc_address, job_id) == generation
         racks.leaves[0].restart()  # empty: no pipeline, no entries, zero registers
-        deadline = time.monotonic() + 120
-        while job_generation(racks.leaves[0].grpc_address, job_id) is None:  # reprogrammed by the controller
-            assert time.monotonic() < deadline, "the controller never reprogrammed the restarted leaf"
-            time.sleep(0.2)
+        wait_until(
+            lambda: job_generation(racks.leaves[0].grpc_address, job_id) is not None,
+            120,
+            "the controller to reprogram the restarted leaf",
+            0.2,
+        )
         assert job_generation(racks.leaves[0].grpc_address, job_id) == generation
         assert job_generation(racks.spine.grpc_address, job_id) == generation
         assert job_generation(racks.leaves[1].grpc_address, job_id) == generation
         after = min_progress(tmp_path, "rs", racks.workers)
-        deadline = time.monotonic() + 60
-        while min_progress(tmp_path, "rs", racks.workers) < after + 3 and all(
-            p.poll() is None for p in procs
-        ):
-            assert time.monotonic() < deadline, "the workers neither went on nor failed"
-            time.sleep(0.1)
+        wait_until(
+            lambda: (
+                min_progress(tmp_path, "rs", racks.workers) >= after + 3
+                or any(p.poll() is not None for p in procs)
+            ),
+            60,
+            "the workers to go on or fail",
+        )
         stop_together(stop, tmp_path, "rs", racks.workers)
         reports = worker_reports(procs)
         print("\nafter the leaf restart:", [(r["rank"], r["ok"], r["error"]) for r in reports])

@@ -8,7 +8,6 @@ Skipped, with the reason, where bmv2 or the compiled P4 program is missing.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from switchagg_lab.bmv2.controller_jobs import (
 )
 from switchagg_lab.bmv2.skip import skip_reason
 from switchagg_lab.testing.controller import Controller
+from switchagg_lab.testing.kit import wait_until
 
 
 @pytest.fixture
@@ -92,11 +92,7 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
             return min(values)
 
         def running_past(count: int, what: str) -> None:
-            deadline = time.monotonic() + 120
-            while done() < count:
-                assert time.monotonic() < deadline, f"the workers on b made no progress {what}"
-                assert all(p.poll() is None for p in procs), f"a worker on b ended {what}"
-                time.sleep(0.1)
+            wait_until(lambda: done() >= count, 120, f"the workers on b to go on {what}", alive=procs)
 
         running_past(3, "at the start")
         job_id = 1  # the first job of a fresh controller
@@ -118,10 +114,12 @@ def test_one_switch_restarts_while_a_job_runs_on_the_other(two_beds: tuple[Any, 
         (top_job,) = top["jobs"]
         assert top_job["job_id"] == job_id and top_job["contributions_per_s"] is not None
         a.switch.start()  # comes back empty: no pipeline, no entries
-        deadline = time.monotonic() + 120
-        while not _programmed(a.grpc_address):
-            assert time.monotonic() < deadline, "the controller never reprogrammed the restarted switch a"
-            time.sleep(0.2)
+        wait_until(
+            lambda: _programmed(a.grpc_address),
+            120,
+            "the controller to reprogram the restarted switch a",
+            0.2,
+        )
         # b was left alone: the job runs on with the generation it was installed with.
         assert _generation(b.grpc_address, job_id) == generation
         running_past(done() + 3, "after switch a came back")

@@ -31,11 +31,18 @@ def free_ports(count: int, kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1
 
 
 def wait_until(
-    predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition", interval: float = 0.1
+    predicate: Callable[[], object],
+    timeout: float = 60.0,
+    what: str = "condition",
+    interval: float = 0.1,
+    alive: Sequence[subprocess.Popen[str]] = (),
 ) -> None:
-    """Polls ``predicate`` until it is true; the bound only guards against a hang, never times a result."""
+    """Polls ``predicate`` until it is true; the bound only guards against a hang, never times a
+    result. With ``alive``, a process among them that ends first fails the wait at once."""
     deadline = time.monotonic() + timeout
     while not predicate():
+        if any(p.poll() is not None for p in alive):
+            raise AssertionError(f"a process ended while waiting for {what}")
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)

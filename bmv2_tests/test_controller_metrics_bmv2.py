@@ -59,7 +59,7 @@ def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, 
         try:
             finished = min(_wait_progress(tmp_path, "metrics", own_bed, procs, 3))
             first = scrape(address)
-            job = {"job": "metrics", "data_plane": "p4", "switch": switch}
+            job = {"switchagg_job": "metrics", "data_plane": "p4", "switch": switch}
             # Every finished allreduce had all its contributions aggregated by the switch.
             aggregated = value(first, "switchagg_job_aggregated_total", **job)
             assert aggregated >= finished * n * CHUNKS

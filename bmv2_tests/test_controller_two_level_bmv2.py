@@ -87,10 +87,10 @@ def test_a_job_across_two_bmv2_leaves_and_a_bmv2_spine(racks: Any, tmp_path: Pat
 
             samples = scrape(metrics_address(c))
             for r in range(len(RACKS)):
-                job = {"job": "tl", "data_plane": "p4", "switch": f"l{r}"}
+                job = {"switchagg_job": "tl", "data_plane": "p4", "switch": f"l{r}"}
                 assert value(samples, "switchagg_job_upstream_total", **job) > 0
                 assert value(samples, "switchagg_job_aggregated_total", **job) > 0
-            assert value(samples, "switchagg_job_aggregated_total", job="tl", switch="spine") > 0
+            assert value(samples, "switchagg_job_aggregated_total", switchagg_job="tl", switch="spine") > 0
             spine_leaf = [
                 k for k in samples if k[0] == "switchagg_job_upstream_total" and ("switch", "spine") in k[1]
             ]

@@ -47,7 +47,7 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
         joined = [read_line(p) for p in procs]
         job_id, k = joined[0]["job_id"], joined[0]["k"]
         chunks = -(-LENGTH // k)
-        job = {"job": name, "job_id": str(job_id), "data_plane": "software"}
+        job = {"switchagg_job": name, "job_id": str(job_id), "data_plane": "software"}
         now = scrape(address)
         assert value(now, "switchagg_service_jobs", state="active") == 1
         assert value(now, "switchagg_service_jobs", state="pending") == 0
@@ -163,7 +163,7 @@ def test_two_level_nodes_run_elsewhere_are_scraped_and_one_away_is_down(tmp_path
         chunks = -(-LENGTH // k)
         step(procs, n)
         s = scrape(address)
-        job = {"job": name, "job_id": str(job_id), **plane}
+        job = {"switchagg_job": name, "job_id": str(job_id), **plane}
         # Each leaf sums its two workers and sends one partial up per chunk; the spine sums the
         # two leaves' partials and multicasts one result per chunk.
         for leaf in ("rack0", "rack1"):

@@ -90,7 +90,7 @@ def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path
         scrape_until(
             metrics_address(software_controller),
             lambda s: any(
-                metric == "switchagg_job_aggregated_total" and ("job", name) in labels and v > 0
+                metric == "switchagg_job_aggregated_total" and ("switchagg_job", name) in labels and v > 0
                 for (metric, labels), v in s.items()
             ),
             "the job runs",

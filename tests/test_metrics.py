@@ -108,7 +108,7 @@ def _eventually(check: Callable[[], Samples | None], what: str) -> Samples:
         time.sleep(0.05)
 
 
-JOB_LABELS = {"job": "resnet", "job_id": "5", "data_plane": "software"}
+JOB_LABELS = {"switchagg_job": "resnet", "job_id": "5", "data_plane": "software"}
 
 
 def _check_installed_job(samples: Samples) -> None:

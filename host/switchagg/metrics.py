@@ -26,8 +26,10 @@ from switchagg.protocol import DROP_REASONS, JOB_COUNTERS, LEAF_COUNTERS
 DEFAULT_HOST = "127.0.0.1"  # a scraper on another host needs 0.0.0.0 (or the host's address)
 
 SWITCH_LABELS = ("switch", "data_plane")
-JOB_LABELS = (*SWITCH_LABELS, "job", "job_id")
-WORKER_LABELS = ("job", "job_id", "rank", "data_plane")
+# `switchagg_job`, not `job`: Prometheus sets `job` on every scraped series (the scrape job), and
+# a target's own `job` label would become `exported_job` unless the scrape sets honor_labels.
+JOB_LABELS = (*SWITCH_LABELS, "switchagg_job", "job_id")
+WORKER_LABELS = ("switchagg_job", "job_id", "rank", "data_plane")
 
 # docs/PROTOCOL.md, Counters: what each per-job counter counts.
 _JOB_HELP = {

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -58,12 +59,14 @@ static void free_bufs(struct sa_worker *w) {
 
 int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, char *err, size_t errlen) {
     memset(w, 0, sizeof *w);
-    w->fd = -1;
+    w->fd = w->cancel_fd = -1;
     if (rcvbuf < 0) return sa_fail(err, errlen, "rcvbuf must be >= 0 (0: as large as allowed), got %d", rcvbuf);
     w->local.sin_family = AF_INET;
     w->local.sin_port = htons((uint16_t)port);
     if (inet_pton(AF_INET, host, &w->local.sin_addr) != 1)
         return sa_fail(err, errlen, "bind address %s is not an IPv4 address", host);
+    w->cancel_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (w->cancel_fd < 0) return -2;
     w->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) return -2;
     socklen_t sl = sizeof w->local;
@@ -430,14 +433,18 @@ static int run_call(run_t *r, int abort) {
     while (r->done < r->active) {
         now = sa_now_ns();
         int wait_ms = next_scan > now ? (int)((next_scan - now) / 1000000) + 1 : 0;
-        struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
-        int pr = poll(&pfd, 1, wait_ms);
+        struct pollfd pfd[2] = {{.fd = w->fd, .events = POLLIN}, {.fd = w->cancel_fd, .events = POLLIN}};
+        int pr = poll(pfd, 2, wait_ms);
         if (pr < 0 && errno != EINTR) {
             rc = SA_CALL_OSERROR;
             break;
         }
+        if (__atomic_load_n(&w->cancelled, __ATOMIC_ACQUIRE)) {
+            rc = SA_CALL_CANCELLED;
+            break;
+        }
         size_t nq = 0;
-        if (pr > 0) {
+        if (pr > 0 && (pfd[0].revents & POLLIN)) {
             for (int j = 0; j < BATCH; j++) {
                 iov[j].iov_base = w->rx + (size_t)j * w->pkt_len;
                 iov[j].iov_len = w->pkt_len;
@@ -547,7 +554,16 @@ int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen) {
         return sa_fail(err, errlen, "an earlier call on this session failed, so its slots are out of step with its "
                     "peers' (open a new session): %s", w->why_broken);
     if (w->busy) return sa_fail(err, errlen, "another allreduce is running on this session");
+    if (__atomic_load_n(&w->cancelled, __ATOMIC_ACQUIRE)) return sa_fail(err, errlen, "%s", w->cancel_why);
     return 0;
+}
+
+void sa_worker_cancel(struct sa_worker *w, const char *why) {
+    if (__atomic_load_n(&w->cancelled, __ATOMIC_ACQUIRE)) return;
+    snprintf(w->cancel_why, sizeof w->cancel_why, "%s", why);
+    __atomic_store_n(&w->cancelled, 1, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    if (w->cancel_fd >= 0) (void)!write(w->cancel_fd, &one, sizeof one);
 }
 
 int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort) {
@@ -577,6 +593,11 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
         break;
     case SA_CALL_NOMEM:
         break;
+    case SA_CALL_CANCELLED:
+        w->broken = 1;
+        snprintf(w->why_broken, sizeof w->why_broken, "%s (job %u, rank %u, call %u, %zu of %zu slots done)",
+                 w->cancel_why, w->job, w->rank, r.call, r.done, r.active);
+        break;
     default:
         w->broken = 1;
         snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r.call, strerror(err));
@@ -592,6 +613,8 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
 void sa_worker_close(struct sa_worker *w) {
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
+    if (w->cancel_fd >= 0) close(w->cancel_fd);
+    w->cancel_fd = -1;
     w->configured = 0;
     free_bufs(w);
 }

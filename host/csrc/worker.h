@@ -18,6 +18,9 @@ struct sa_worker {
     int broken; /* a failed call leaves peers' slot state unknown: refuse further use */
     char why_broken[512];
     int busy;
+    int cancel_fd;          /* an eventfd: sa_worker_cancel wakes a call in progress through it */
+    int cancelled;          /* set (atomically) by sa_worker_cancel; read by the call's thread */
+    char cancel_why[400];   /* why, written before `cancelled` is set */
     /* job */
     uint16_t job, rank;
     uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
@@ -42,7 +45,7 @@ struct sa_worker_config {
     uint32_t key;
 };
 
-enum sa_call_result { SA_CALL_OK = 0, SA_CALL_POISONED, SA_CALL_TIMEOUT, SA_CALL_OSERROR, SA_CALL_NOMEM };
+enum sa_call_result { SA_CALL_OK = 0, SA_CALL_POISONED, SA_CALL_TIMEOUT, SA_CALL_OSERROR, SA_CALL_NOMEM, SA_CALL_CANCELLED };
 
 /* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
 
@@ -55,6 +58,9 @@ int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
  * up the next call so every peer fails it too. Blocks; returns an sa_call_result. After any failure
  * but SA_CALL_NOMEM the worker is broken, w->why_broken says why (SA_CALL_OSERROR: errno too). */
 int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort);
+/* From any thread: end the call in progress (and refuse every later one) with SA_CALL_CANCELLED and
+ * `why` as the reason, e.g. a watcher that found a peer gone. Only the first reason is kept. */
+void sa_worker_cancel(struct sa_worker *w, const char *why);
 /* The receive buffer the job's full window needs, bytes. */
 size_t sa_worker_rcvbuf_needed(const struct sa_worker *w);
 void sa_worker_close(struct sa_worker *w);

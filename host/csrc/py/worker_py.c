@@ -61,6 +61,7 @@ static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort
     case SA_CALL_POISONED:
         return PyErr_Format(SwitchaggError, "%s", self->w.why_broken);
     case SA_CALL_TIMEOUT:
+    case SA_CALL_CANCELLED: /* cancel(): a watcher gave up on the call (a peer is gone) */
         return PyErr_Format(SwitchaggTimeout, "%s", self->w.why_broken);
     case SA_CALL_NOMEM:
         return PyErr_NoMemory();
@@ -118,6 +119,15 @@ static PyObject *worker_stats(Worker *self, PyObject *unused) {
                          self->w.call);
 }
 
+/* cancel(reason): from any thread, end the call in progress and refuse later ones; the call raises
+ * SwitchaggTimeout with the reason. */
+static PyObject *worker_cancel(Worker *self, PyObject *args) {
+    const char *why;
+    if (!PyArg_ParseTuple(args, "s", &why)) return NULL;
+    sa_worker_cancel(&self->w, why);
+    Py_RETURN_NONE;
+}
+
 static PyObject *worker_close(Worker *self, PyObject *unused) {
     if (self->w.busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
     sa_worker_close(&self->w);
@@ -149,6 +159,9 @@ static PyMethodDef worker_methods[] = {
     {"abort", (PyCFunction)worker_abort, METH_VARARGS,
      "abort(total, kind): give up the next call after a local error; every peer fails that call too."},
     {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
+    {"cancel", (PyCFunction)worker_cancel, METH_VARARGS,
+     "cancel(reason): from any thread, end the call in progress (SwitchaggTimeout with the reason) and refuse "
+     "later ones."},
     {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
     {NULL, NULL, 0, NULL},
 };
@@ -163,7 +176,7 @@ static PyGetSetDef worker_getset[] = {
 
 static PyObject *worker_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     Worker *self = (Worker *)type->tp_alloc(type, 0);
-    if (self != NULL) self->w.fd = -1;
+    if (self != NULL) self->w.fd = self->w.cancel_fd = -1;
     return (PyObject *)self;
 }
 

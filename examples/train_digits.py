@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loss": loss_sum.item() / (steps * world),
             "accuracy": accuracy,
             "step_ms": 1000 * step_time / steps,
+            "train_s": step_time,  # this epoch's steps: what time-to-accuracy adds up
         }
         history.append(record)
         if rank == 0:

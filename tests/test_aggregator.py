@@ -1,7 +1,10 @@
-"""The software aggregator (switchagg._core.Aggregator, SoftwareAggregator, the CLI) over real UDP."""
+"""The software aggregator (switchagg._core.Aggregator, SoftwareAggregator, the CLI) over real UDP.
+Every test of the packet path runs with one serving thread and with three (slots spread over them;
+tests/test_aggregator_threads.py checks the split itself)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -17,7 +20,8 @@ import numpy as np
 import pytest
 
 from switchagg import _core
-from switchagg.aggregator import SoftwareAggregator, format_counters, parse_job, parse_leaf
+from switchagg.aggregator import SoftwareAggregator, format_counters
+from switchagg.aggregator_cli import parse_job, parse_leaf
 from switchagg.protocol import (
     DROP_REASONS,
     EXP_NONE,
@@ -36,9 +40,15 @@ def fake_addrs(n: int) -> list[tuple[str, int]]:
     return [("127.0.0.1", 40000 + r) for r in range(n)]
 
 
+@pytest.fixture(params=[1, 3], ids=lambda n: f"threads={n}")
+def threads(request: pytest.FixtureRequest) -> int:
+    n: int = request.param
+    return n
+
+
 @pytest.fixture
-def agg() -> Iterator[SoftwareAggregator]:
-    with SoftwareAggregator() as a:
+def agg(threads: int) -> Iterator[SoftwareAggregator]:
+    with SoftwareAggregator(threads=threads) as a:
         yield a
 
 
@@ -144,9 +154,18 @@ def test_constructor_rejects_bad_input() -> None:
         _core.Aggregator(host="::1")
     with pytest.raises(ValueError, match="port must be in 0..65535"):
         _core.Aggregator(port=70000)
+    with pytest.raises(ValueError, match="threads must be in 1..256"):
+        _core.Aggregator(threads=0)
     taken = _core.Aggregator()
-    with pytest.raises(OSError, match="cannot bind"):
+    with pytest.raises(OSError, match="cannot bind") as e:
         _core.Aggregator(port=taken.port)
+    assert e.value.errno == errno.EADDRINUSE  # the engine's SA_ERR_BIND, with its errno
+    # A port served by several threads is one SO_REUSEPORT group that no other socket group joins.
+    group = _core.Aggregator(threads=3)
+    for threads in (1, 3):
+        with pytest.raises(OSError, match="cannot bind") as e:
+            _core.Aggregator(port=group.port, threads=threads)
+        assert e.value.errno == errno.EADDRINUSE
 
 
 # ---- the packet path ----
@@ -217,7 +236,9 @@ def test_two_jobs_are_isolated(agg: SoftwareAggregator, socks: list[socket.socke
 def test_counters_layout(agg: SoftwareAggregator) -> None:
     agg.add_job(3, 1, 0, 1, 8, 1, fake_addrs(1))
     c = agg.counters()
-    assert set(c) == {"rx", "tx", "drops", "faults", "jobs"}
+    assert set(c) == {"rx", "tx", "drops", "faults", "jobs", "threads"}
+    assert len(c["threads"]) == agg.threads
+    assert all(set(t) == {"rx", "tx", "dropped", "aggregated", "misrouted"} for t in c["threads"])
     assert list(c["drops"]) == list(DROP_REASONS)
     assert set(c["faults"]) == {"dropped_in", "duplicated_in", "dropped_out", "duplicated_out"}
     assert list(c["jobs"][3]) == list(JOB_COUNTERS)
@@ -242,11 +263,14 @@ def test_readding_a_job_resets_its_slots(agg: SoftwareAggregator, socks: list[so
 # ---- fault injection ----
 
 
-def _inject(seed: int, socks: list[socket.socket]) -> tuple[dict, int]:
+def _inject(seed: int, socks: list[socket.socket], threads: int) -> tuple[dict, int]:
     """1000 rounds of a 1-worker job, 25 % drops and duplicates each way; -> (counters, received)."""
     rounds, batch = 1000, 50
     received = 0
-    with SoftwareAggregator(drop_in=0.25, dup_in=0.25, drop_out=0.25, dup_out=0.25, seed=seed) as a:
+    faults = SoftwareAggregator(
+        drop_in=0.25, dup_in=0.25, drop_out=0.25, dup_out=0.25, seed=seed, threads=threads
+    )
+    with faults as a:
         a.add_job(1, 1, 0, 1, 4, 1, [socks[0].getsockname()])
         for start in range(0, rounds, batch):
             for i in range(start, start + batch):  # alternate sets: each packet starts a new round
@@ -259,8 +283,8 @@ def _inject(seed: int, socks: list[socket.socket]) -> tuple[dict, int]:
         return a.counters(), received
 
 
-def test_fault_injection_is_honoured_and_seeded(socks: list[socket.socket]) -> None:
-    c, received = _inject(1, socks)
+def test_fault_injection_is_honoured_and_seeded(socks: list[socket.socket], threads: int) -> None:
+    c, received = _inject(1, socks, threads)
     f, j = c["faults"], c["jobs"][1]
     assert c["rx"] == 1000
     assert 150 <= f["dropped_in"] <= 350  # binomial(1000, 0.25): mean 250, sd 14
@@ -272,17 +296,19 @@ def test_fault_injection_is_honoured_and_seeded(socks: list[socket.socket]) -> N
     results = j["multicast"] + j["resent"]
     assert 0.15 * results <= f["dropped_out"] <= 0.35 * results
     assert c["tx"] == results - f["dropped_out"] + f["duplicated_out"] == received
-    again, _ = _inject(1, socks)
+    again, _ = _inject(1, socks, threads)
     assert again["faults"] == f and again["jobs"] == c["jobs"]
-    other, _ = _inject(2, socks)
+    other, _ = _inject(2, socks, threads)
     assert other["faults"] != f
 
 
-def test_results_stay_intact_when_a_batch_fills_the_output_buffers(socks: list[socket.socket]) -> None:
+def test_results_stay_intact_when_a_batch_fills_the_output_buffers(
+    socks: list[socket.socket], threads: int
+) -> None:
     """dup_in=1: each datagram completes a round and then asks again, two results each; waves of 48
     datagrams make batches of up to 96 results, more than the 64 output buffers of one flush."""
     k, waves, wave = 16, 4, 48
-    with SoftwareAggregator(dup_in=1.0) as a:
+    with SoftwareAggregator(dup_in=1.0, threads=threads) as a:
         a.add_job(1, 1, 0, 1, k, 1, [socks[0].getsockname()])
         for w in range(waves):
             for i in range(w * wave, (w + 1) * wave):
@@ -300,8 +326,8 @@ def test_results_stay_intact_when_a_batch_fills_the_output_buffers(socks: list[s
 # ---- run / stop ----
 
 
-def test_stop_ends_run_and_run_timeout_returns() -> None:
-    a = _core.Aggregator()
+def test_stop_ends_run_and_run_timeout_returns(threads: int) -> None:
+    a = _core.Aggregator(threads=threads)
     t = threading.Thread(target=a.run)
     t.start()
     deadline = time.monotonic() + WAIT_S
@@ -386,11 +412,12 @@ def test_add_job_leaf_parameters(agg: SoftwareAggregator) -> None:
     assert list(jobs[2]) == list(JOB_COUNTERS)
 
 
-def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.socket]) -> None:
+def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.socket], threads: int) -> None:
     """Two leaves of two workers each and a spine, over UDP: each leaf sends one partial up, the
     spine's RESULT reaches all four workers with their job ranks, and ends in no more packets."""
     k = 16
-    with SoftwareAggregator() as spine, SoftwareAggregator() as leaf0, SoftwareAggregator() as leaf1:
+    spine, leaf0, leaf1 = (SoftwareAggregator(threads=threads) for _ in range(3))
+    with spine, leaf0, leaf1:
         addrs = [s.getsockname() for s in socks]
         spine.add_job(5, 2, 8, 2, k, 1, [leaf0.address, leaf1.address])
         up = spine.address
@@ -436,7 +463,10 @@ def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.s
 
 def test_cli_help() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "switchagg.aggregator_cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0
     assert "--job" in out.stdout and "--drop-in" in out.stdout and "--stats-interval" in out.stdout
@@ -452,7 +482,7 @@ def test_cli_help() -> None:
 )
 def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", spec],
+        [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", "--job", spec],
         capture_output=True,
         text=True,
         timeout=60,
@@ -469,7 +499,7 @@ def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:
 )
 def test_cli_rejects_a_bad_leaf(args: list[str], message: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", *args],
+        [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -486,7 +516,7 @@ def _readline(proc: subprocess.Popen[str]) -> str:
 
 def test_cli_serves_a_job_and_exits_on_sigint(socks: list[socket.socket]) -> None:
     addrs = ",".join("{}:{}".format(*s.getsockname()) for s in socks[:2])
-    cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job", f"9:2:10:4:32:3@{addrs}"]
+    cmd = [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", "--job", f"9:2:10:4:32:3@{addrs}"]
     cmd += ["--stats-interval", "0.05"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:

@@ -107,7 +107,8 @@ def test_a_restart_shows_as_a_new_boot_id_with_no_jobs(tmp_path: Path) -> None:
 
 def test_control_needs_a_secret_file(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--control", f"unix:{tmp_path}/x.sock"],
+        [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0",
+         "--control", f"unix:{tmp_path}/x.sock"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "--control needs --control-secret-file" in proc.stderr

@@ -170,7 +170,7 @@ def test_ctl_read_commands_into_head_exit_0_quietly(unix_controller: Controller)
 
 def test_aggregator_stats_into_head_exit_0_quietly() -> None:
     port = free_port(socket.SOCK_DGRAM)
-    command = f"{sys.executable} -m switchagg.aggregator --port {port} --stats-interval 0.05"
+    command = f"{sys.executable} -m switchagg.aggregator_cli --port {port} --stats-interval 0.05"
     r = _head(command, 1, dict(os.environ))
     assert r.returncode == 0 and not any(q in r.stderr for q in QUIET), r.stderr
     assert r.stdout.startswith("switchagg-aggregator listening on")

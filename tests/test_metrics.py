@@ -50,7 +50,7 @@ def aggregator_cli(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     def start(workers: list[_core.Worker], *extra: str) -> tuple[int, tuple[str, int]]:
         addrs = ",".join("{}:{}".format(*w.address) for w in workers)
-        cmd = [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--metrics-port", "0"]
+        cmd = [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", "--metrics-port", "0"]
         cmd += ["--job", f"5:{len(workers)}:100:8:{K}@{addrs}", "--job-name", "5=resnet", *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -257,7 +257,7 @@ def test_the_environment_turns_worker_metrics_on(monkeypatch: pytest.MonkeyPatch
 
 def test_cli_refuses_a_name_for_a_job_it_does_not_install() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "switchagg.aggregator", "--port", "0", "--job-name", "3=resnet"],
+        [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", "--job-name", "3=resnet"],
         capture_output=True,
         text=True,
         timeout=60,

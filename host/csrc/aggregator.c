@@ -1,9 +1,15 @@
 /* The software aggregator engine, the algorithm of docs/PROTOCOL.md in C.
  *
- * One UDP socket, served by sa_agg_serve (the binding, aggregator_py.c, releases the GIL around it):
- * recvmmsg a batch, process it under the
- * state mutex (so add_job/remove_job/counters from other threads see whole batches), sendmmsg
- * the results. No allocation on the per-packet path.
+ * One UDP port, served by sa_agg_serve (the binding, aggregator_py.c, releases the GIL around it)
+ * with nthreads threads, each on its own socket: recvmmsg a batch, process it under the thread's
+ * mutex (so add_job/remove_job/counters from other threads, which take every thread's, see whole
+ * batches), sendmmsg the results. No allocation on the per-packet path.
+ *
+ * Threads: the sockets form an SO_REUSEPORT group on the same address, and a classic BPF program
+ * steers each datagram to socket (pool & SA_POOL_SLOT_MASK) % nthreads, read from the header (the
+ * program sees the UDP payload). So a slot's packets, DATA and a spine's RESULT alike, are served
+ * by one thread only: slot state needs no lock, each thread counts in its own counters (a job's
+ * too), and results leave from the port the workers sent to.
  *
  * A job is aggregated either in one level (its ranks are workers, or leaves when this is a spine:
  * the code is the same) or as a leaf of a two-level job (docs/PROTOCOL.md, Two levels): it sums its
@@ -13,8 +19,11 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <linux/filter.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +45,13 @@ const char *const sa_drop_names[SA_DROP_NREASONS] = {"bad_version", "bad_type", 
 const char *const sa_job_counter_names[SA_JOB_COUNTERS] = {"aggregated", "multicast", "resent", "retrans_ignored",
                                                            "upstream", "upstream_resent", "stale_results"};
 
+/* A job's counters as one thread counts them, in sa_job_counter_names order (the last three: a
+ * leaf's job only); a cache line each, so threads never share one. */
+enum { JC_AGGREGATED, JC_MULTICAST, JC_RESENT, JC_RETRANS_IGNORED, JC_UPSTREAM, JC_UPSTREAM_RESENT, JC_STALE };
+struct job_ctr {
+    uint64_t c[SA_JOB_COUNTERS];
+} __attribute__((aligned(64)));
+
 struct job {
     uint16_t id, gen;
     uint32_t n, base, count, k;
@@ -49,8 +65,7 @@ struct job {
     int leaf;                        /* a leaf of a two-level job: partials go to upstream */
     uint16_t leaf_index;             /* this leaf's rank at the spine */
     struct sockaddr_in upstream;     /* the spine; RESULTs are accepted only from it */
-    uint64_t aggregated, multicast, resent, retrans_ignored;
-    uint64_t upstream_sent, upstream_resent, stale_results; /* leaf only */
+    struct job_ctr *ctr;             /* one per thread: a thread counts only in its own */
     /* Slot state; index i = local_slot * 2 + set. */
     uint16_t *slot_gen;              /* per local slot */
     uint32_t *bitmap;
@@ -78,10 +93,11 @@ static void job_free(struct job *j) {
     free(j->rflags);
     free(j->poison);
     free(j->final);
+    free(j->ctr);
     free(j);
 }
 
-/* ---- the packet path (called with lock held) ---- */
+/* ---- the packet path (called by the thread that owns the slot, with its lock held) ---- */
 
 /* The per-element kernels. Byte swaps vectorize only with pshufb (SSSE3/AVX2), which baseline
  * x86-64 lacks, hence the clones picked at load time. */
@@ -99,26 +115,26 @@ SA_KERNEL static void k_add(uint32_t *restrict v, const uint32_t *restrict p, ui
     for (uint32_t e = 0; e < k; e++) v[e] += __builtin_bswap32(p[e]);
 }
 
-static void flush_out(struct sa_agg *a) {
-    size_t m = a->n_out;
+static void flush_out(struct sa_agg_thread *t) {
+    size_t m = t->n_out;
     for (size_t i = 0; i < m; i++) {
-        struct out_msg *o = &a->out[i];
-        a->tx_iov[i][0].iov_base = &o->head;
-        a->tx_iov[i][0].iov_len = sizeof o->head;
-        a->tx_iov[i][1].iov_base = (void *)o->payload;
-        a->tx_iov[i][1].iov_len = o->payload_len;
-        memset(&a->tx_msgs[i], 0, sizeof a->tx_msgs[i]);
-        a->tx_msgs[i].msg_hdr.msg_name = &o->dst;
-        a->tx_msgs[i].msg_hdr.msg_namelen = sizeof o->dst;
-        a->tx_msgs[i].msg_hdr.msg_iov = a->tx_iov[i];
-        a->tx_msgs[i].msg_hdr.msg_iovlen = 2;
+        struct out_msg *o = &t->out[i];
+        t->tx_iov[i][0].iov_base = &o->head;
+        t->tx_iov[i][0].iov_len = sizeof o->head;
+        t->tx_iov[i][1].iov_base = (void *)o->payload;
+        t->tx_iov[i][1].iov_len = o->payload_len;
+        memset(&t->tx_msgs[i], 0, sizeof t->tx_msgs[i]);
+        t->tx_msgs[i].msg_hdr.msg_name = &o->dst;
+        t->tx_msgs[i].msg_hdr.msg_namelen = sizeof o->dst;
+        t->tx_msgs[i].msg_hdr.msg_iov = t->tx_iov[i];
+        t->tx_msgs[i].msg_hdr.msg_iovlen = 2;
     }
     size_t done = 0;
     /* Bounded: every iteration either sends >= 1 datagram or skips one that failed. */
     while (done < m) {
-        int r = sendmmsg(a->fd, &a->tx_msgs[done], (unsigned)(m - done), 0);
+        int r = sendmmsg(t->fd, &t->tx_msgs[done], (unsigned)(m - done), 0);
         if (r > 0) {
-            a->tx += (uint64_t)r;
+            t->tx += (uint64_t)r;
             done += (size_t)r;
         } else if (r < 0 && errno == EINTR) {
             continue;
@@ -126,32 +142,32 @@ static void flush_out(struct sa_agg *a) {
             done++; /* e.g. ECONNREFUSED from an earlier ICMP error: UDP loses this one */
         }
     }
-    a->n_out = 0;
+    t->n_out = 0;
 }
 
 /* Payload buffers are reused only after a flush, so no queued message points at a reused one. */
-static uint8_t *take_payload(struct sa_agg *a) {
-    if (a->n_payloads == OUT_PAYLOADS) {
-        flush_out(a);
-        a->n_payloads = 0;
+static uint8_t *take_payload(struct sa_agg_thread *t) {
+    if (t->n_payloads == OUT_PAYLOADS) {
+        flush_out(t);
+        t->n_payloads = 0;
     }
-    return a->out_payloads + (a->n_payloads++) * SA_RX_BUF;
+    return t->out_payloads + (t->n_payloads++) * SA_RX_BUF;
 }
 
-static void queue_msg(struct sa_agg *a, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
+static void queue_msg(struct sa_agg_thread *t, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
                       const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
     int copies = 1;
-    if (a->drop_out > 0 && sa_rand01(&a->rng) < a->drop_out) {
-        a->faults[SA_F_DROPPED_OUT]++;
+    if (t->a->drop_out > 0 && sa_rand01(&t->rng) < t->a->drop_out) {
+        t->faults[SA_F_DROPPED_OUT]++;
         return;
     }
-    if (a->dup_out > 0 && sa_rand01(&a->rng) < a->dup_out) {
-        a->faults[SA_F_DUPLICATED_OUT]++;
+    if (t->a->dup_out > 0 && sa_rand01(&t->rng) < t->a->dup_out) {
+        t->faults[SA_F_DUPLICATED_OUT]++;
         copies = 2;
     }
     for (int c = 0; c < copies; c++) {
-        if (a->n_out == SA_OUT_MSGS) flush_out(a); /* keeps the payload buffers: more copies may follow */
-        struct out_msg *o = &a->out[a->n_out++];
+        if (t->n_out == SA_OUT_MSGS) flush_out(t); /* keeps the payload buffers: more copies may follow */
+        struct out_msg *o = &t->out[t->n_out++];
         o->head = *h;
         o->head.type = type;
         o->head.rank = htons(rank);
@@ -182,8 +198,8 @@ static struct sa_header round_header(const struct job *j, uint32_t pool, size_t 
 }
 
 /* Result payload of state index si, converted to network order in a fresh output buffer. */
-static const uint8_t *encode_result(struct sa_agg *a, const struct job *j, size_t si) {
-    uint8_t *buf = take_payload(a);
+static const uint8_t *encode_result(struct sa_agg_thread *t, const struct job *j, size_t si) {
+    uint8_t *buf = take_payload(t);
     k_load((uint32_t *)buf, j->values + si * j->k, j->k); /* a byte swap is its own inverse */
     return buf;
 }
@@ -193,42 +209,49 @@ static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y) {
 }
 
 /* RESULT(value[si]) to rank r alone. */
-static void unicast(struct sa_agg *a, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
+static void unicast(struct sa_agg_thread *t, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
     struct sa_header rh = round_header(j, pool, si);
-    queue_msg(a, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(a, j, si), 4 * (size_t)j->k, &j->addrs[r]);
+    queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(t, j, si), 4 * (size_t)j->k, &j->addrs[r]);
 }
 
 /* RESULT(value[si]) to every rank with an address here. */
-static void multicast(struct sa_agg *a, struct job *j, uint32_t pool, size_t si) {
+static void multicast(struct sa_agg_thread *t, struct job *j, uint32_t pool, size_t si) {
     struct sa_header rh = round_header(j, pool, si);
-    const uint8_t *out = encode_result(a, j, si);
+    const uint8_t *out = encode_result(t, j, si);
     for (uint32_t q = 0; q < j->n; q++) {
         if (j->local_mask >> q & 1)
-            queue_msg(a, &rh, SA_MSG_RESULT, (uint16_t)q, rh.exp, out, 4 * (size_t)j->k, &j->addrs[q]);
+            queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)q, rh.exp, out, 4 * (size_t)j->k, &j->addrs[q]);
     }
-    j->multicast++;
+    j->ctr[t->index].c[JC_MULTICAST]++;
 }
 
 /* A leaf's partial of state index si to the spine: a worker's DATA with rank = the leaf index. */
-static void send_partial(struct sa_agg *a, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
+static void send_partial(struct sa_agg_thread *t, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
     struct sa_header up = round_header(j, slot | (s ? SA_POOL_SET_BIT : 0), si);
     up.key = 0; /* a DATA carries no key */
-    const uint8_t *out = encode_result(a, j, si);
-    queue_msg(a, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
+    const uint8_t *out = encode_result(t, j, si);
+    queue_msg(t, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
 }
 
 /* The slot a packet of job j addresses (its index in the job and its shadow set), or 0 with the
- * drop counted when the slot is not the job's or the payload is not exactly K values. */
-static int job_slot(struct sa_agg *a, const struct job *j, const struct sa_header *h, size_t len,
+ * drop counted when the slot is not the job's or the payload is not exactly K values, or when the
+ * slot is not this thread's. */
+static int job_slot(struct sa_agg_thread *t, const struct job *j, const struct sa_header *h, size_t len,
                     uint32_t *local, uint32_t *s) {
     uint32_t pool = ntohs(h->pool);
     uint32_t slot = pool & SA_POOL_SLOT_MASK;
     if (slot < j->base || slot >= j->base + j->count) {
-        a->drops[SA_DROP_BAD_POOL]++;
+        t->drops[SA_DROP_BAD_POOL]++;
         return 0;
     }
     if (len != SA_HEADER_LEN + 4 * (size_t)j->k || ntohs(h->elems) != j->k) {
-        a->drops[SA_DROP_TRUNCATED]++;
+        t->drops[SA_DROP_TRUNCATED]++;
+        return 0;
+    }
+    if (slot % (uint32_t)t->a->nthreads != (uint32_t)t->index) {
+        /* Another thread's slot: only a packet queued before the group had all its sockets can
+         * land here. Its state is not ours to touch; the sender's resend is steered right. */
+        t->misrouted++;
         return 0;
     }
     *local = slot - j->base;
@@ -237,73 +260,73 @@ static int job_slot(struct sa_agg *a, const struct job *j, const struct sa_heade
 }
 
 /* A RESULT: only a leaf takes one, only from its spine, and only as the answer to its partial. */
-static void process_result(struct sa_agg *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     const struct sa_header *h = (const struct sa_header *)buf;
-    struct job *j = a->jobs[ntohs(h->job)];
+    struct job *j = t->a->jobs[ntohs(h->job)];
     if (j == NULL || !j->leaf) { /* what a worker sent by mistake, as in one level */
-        a->drops[SA_DROP_BAD_TYPE]++;
+        t->drops[SA_DROP_BAD_TYPE]++;
         return;
     }
     if (ntohs(h->rank) != j->leaf_index) {
-        a->drops[SA_DROP_BAD_RANK]++;
+        t->drops[SA_DROP_BAD_RANK]++;
         return;
     }
     if (!same_addr(&j->upstream, src)) {
-        a->drops[SA_DROP_SPOOFED]++;
+        t->drops[SA_DROP_SPOOFED]++;
         return;
     }
     uint32_t local, s;
-    if (!job_slot(a, j, h, len, &local, &s)) return;
+    if (!job_slot(t, j, h, len, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
     /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. The
      * spine's result carries the partial's identity, and its poison if any round below had one. */
     if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != j->key ||
         ntohl(h->offset) != j->roffset[si] || ntohl(h->call) != j->rcall[si] ||
         ntohl(h->total) != j->rtotal[si] || (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS)) {
-        j->stale_results++;
+        j->ctr[t->index].c[JC_STALE]++;
         return;
     }
     k_load(j->values + si * j->k, (const uint32_t *)(buf + SA_HEADER_LEN), j->k);
     j->exp[si] = h->exp;
     j->poison[si] = h->flags & SA_POISON_FLAGS;
     j->final[si] = 1;
-    multicast(a, j, ntohs(h->pool), si);
+    multicast(t, j, ntohs(h->pool), si);
 }
 
-static void process(struct sa_agg *a, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     if (len < SA_HEADER_LEN) {
-        a->drops[SA_DROP_TRUNCATED]++;
+        t->drops[SA_DROP_TRUNCATED]++;
         return;
     }
     const struct sa_header *h = (const struct sa_header *)buf;
     if (h->version != SA_VERSION) {
-        a->drops[SA_DROP_BAD_VERSION]++;
+        t->drops[SA_DROP_BAD_VERSION]++;
         return;
     }
     if (h->type == SA_MSG_RESULT) {
-        process_result(a, buf, len, src);
+        process_result(t, buf, len, src);
         return;
     }
     if (h->type != SA_MSG_DATA) {
-        a->drops[SA_DROP_BAD_TYPE]++;
+        t->drops[SA_DROP_BAD_TYPE]++;
         return;
     }
-    struct job *j = a->jobs[ntohs(h->job)];
+    struct job *j = t->a->jobs[ntohs(h->job)];
     if (j == NULL) {
-        a->drops[SA_DROP_UNKNOWN_JOB]++;
+        t->drops[SA_DROP_UNKNOWN_JOB]++;
         return;
     }
     uint32_t r = ntohs(h->rank);
     if (r >= j->n) {
-        a->drops[SA_DROP_BAD_RANK]++;
+        t->drops[SA_DROP_BAD_RANK]++;
         return;
     }
     if (!(j->local_mask >> r & 1) || !same_addr(&j->addrs[r], src)) { /* a rank behind another leaf */
-        a->drops[SA_DROP_SPOOFED]++;
+        t->drops[SA_DROP_SPOOFED]++;
         return;
     }
     uint32_t local, s;
-    if (!job_slot(a, j, h, len, &local, &s)) return;
+    if (!job_slot(t, j, h, len, &local, &s)) return;
     const uint32_t k = j->k;
     uint32_t bit = 1u << r;
 
@@ -352,42 +375,110 @@ static void process(struct sa_agg *a, const uint8_t *buf, size_t len, const stru
             if (h->exp > j->exp[si]) j->exp[si] = h->exp;
             j->cnt[si]++;
         }
-        j->aggregated++;
+        j->ctr[t->index].c[JC_AGGREGATED]++;
         if (j->cnt[si] == j->m) {
             if (j->leaf) {
-                send_partial(a, j, j->base + local, s, si);
-                j->upstream_sent++;
+                send_partial(t, j, j->base + local, s, si);
+                j->ctr[t->index].c[JC_UPSTREAM]++;
             } else {
-                multicast(a, j, ntohs(h->pool), si);
+                multicast(t, j, ntohs(h->pool), si);
             }
         }
     } else if (j->leaf && j->final[si]) {
-        unicast(a, j, ntohs(h->pool), si, r);
-        j->resent++;
+        unicast(t, j, ntohs(h->pool), si, r);
+        j->ctr[t->index].c[JC_RESENT]++;
     } else if (j->cnt[si] == j->m) {
         if (j->leaf && r != j->first_local) {
-            j->retrans_ignored++; /* the m workers resend alike: re-send up once per loss, not m times */
+            j->ctr[t->index].c[JC_RETRANS_IGNORED]++; /* the m workers resend alike: re-send up once per loss, not m times */
         } else if (j->leaf) {     /* still waiting for the spine: the partial or its result was lost */
-            send_partial(a, j, j->base + local, s, si);
-            j->upstream_resent++;
+            send_partial(t, j, j->base + local, s, si);
+            j->ctr[t->index].c[JC_UPSTREAM_RESENT]++;
         } else {
-            unicast(a, j, ntohs(h->pool), si, r);
-            j->resent++;
+            unicast(t, j, ntohs(h->pool), si, r);
+            j->ctr[t->index].c[JC_RESENT]++;
         }
     } else {
-        j->retrans_ignored++;
+        j->ctr[t->index].c[JC_RETRANS_IGNORED]++;
     }
 }
 
 /* ---- the engine's interface (aggregator.h) ---- */
 
-int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs[4], uint64_t seed, char *err,
-                size_t errlen) {
+
+/* The reuseport group's program: the socket index for a datagram, read from the UDP payload (the
+ * switchagg header): (pool & SA_POOL_SLOT_MASK) % nthreads. A datagram too short to hold the pool
+ * field ends the program at the load, which returns 0: thread 0 counts it as truncated. */
+static int attach_steering(int fd, int nthreads) {
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_H | BPF_ABS, offsetof(struct sa_header, pool)),
+        BPF_STMT(BPF_ALU | BPF_AND | BPF_K, SA_POOL_SLOT_MASK),
+        BPF_STMT(BPF_ALU | BPF_MOD | BPF_K, (uint32_t)nthreads),
+        BPF_STMT(BPF_RET | BPF_A, 0),
+    };
+    struct sock_fprog prog = {.len = sizeof code / sizeof code[0], .filter = code};
+    return setsockopt(fd, SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, &prog, sizeof prog);
+}
+
+static void close_sockets(struct sa_agg *a) {
+    for (int i = 0; i < a->nthreads; i++) {
+        if (a->th[i].fd >= 0) close(a->th[i].fd);
+        a->th[i].fd = -1;
+    }
+}
+
+static void free_threads(struct sa_agg *a) {
+    if (a->th == NULL) return;
+    close_sockets(a);
+    for (int i = 0; i < a->nthreads; i++) {
+        free(a->th[i].rx_bufs);
+        free(a->th[i].out_payloads);
+        pthread_mutex_destroy(&a->th[i].lock);
+    }
+    free(a->th);
+    a->th = NULL;
+    a->nthreads = 0;
+}
+
+/* Thread i's socket, bound to sa (whose port is the group's once thread 0 bound it). */
+static int open_socket(struct sa_agg *a, int i, struct sockaddr_in *sa, const char *host, char *err, size_t errlen) {
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return SA_ERR_SYS;
+    a->th[i].fd = fd;
+    sa_set_sockbuf(fd, 64 << 20);
+    if (a->nthreads > 1) {
+        int one = 1;
+        if (setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) return SA_ERR_SYS;
+        /* On thread 0's socket before it binds: the group exists with its program from the first
+         * datagram on, and a socket that already has a group never joins another one on bind. */
+        if (i == 0 && attach_steering(fd, a->nthreads) != 0) {
+            int e = errno;
+            snprintf(err, errlen, "cannot attach the reuseport steering program (SO_ATTACH_REUSEPORT_CBPF): %s",
+                     strerror(e));
+            errno = e;
+            return SA_ERR_BIND;
+        }
+    }
+    if (bind(fd, (struct sockaddr *)sa, sizeof *sa) != 0) {
+        int e = errno;
+        snprintf(err, errlen, "cannot bind the aggregator to %s:%d: %s", host, ntohs(sa->sin_port), strerror(e));
+        errno = e;
+        return SA_ERR_BIND;
+    }
+    socklen_t sl = sizeof *sa;
+    getsockname(fd, (struct sockaddr *)sa, &sl);
+    return SA_OK;
+}
+
+int sa_agg_open(struct sa_agg *a, const char *host, int port, int nthreads, const double probs[4], uint64_t seed,
+                char *err, size_t errlen) {
     const char *pnames[4] = {"drop_in", "dup_in", "drop_out", "dup_out"};
+    if (a->th != NULL) return sa_fail(err, errlen, "the aggregator is open already");
     for (int i = 0; i < 4; i++)
         if (!(probs[i] >= 0.0 && probs[i] <= 1.0))
             return sa_fail(err, errlen, "%s must be a probability in [0, 1], got %g", pnames[i], probs[i]);
     if (port < 0 || port > 65535) return sa_fail(err, errlen, "port must be in 0..65535, got %d", port);
+    if (nthreads < 1 || nthreads > SA_MAX_THREADS)
+        return sa_fail(err, errlen, "threads must be in 1..%d, got %d", SA_MAX_THREADS, nthreads);
     struct sockaddr_in sa;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
@@ -395,42 +486,75 @@ int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs
     if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
         return sa_fail(err, errlen, "host must be an IPv4 address such as 127.0.0.1, got '%s'", host);
     if (a->jobs == NULL) a->jobs = calloc(SA_NJOB_IDS, sizeof *a->jobs);
-    if (a->rx_bufs == NULL) a->rx_bufs = malloc((size_t)SA_BATCH * SA_RX_BUF);
-    if (a->out_payloads == NULL) a->out_payloads = malloc((size_t)OUT_PAYLOADS * SA_RX_BUF);
-    if (a->jobs == NULL || a->rx_bufs == NULL || a->out_payloads == NULL) {
+    a->th = aligned_alloc(64, (size_t)nthreads * sizeof *a->th);
+    if (a->jobs == NULL || a->th == NULL) {
+        free(a->th);
+        a->th = NULL;
         errno = ENOMEM;
-        return -2;
+        return SA_ERR_SYS;
     }
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -2;
-    sa_set_sockbuf(fd, 64 << 20);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    memset(a->th, 0, (size_t)nthreads * sizeof *a->th);
+    a->nthreads = nthreads;
+    /* splitmix the seed so that small seeds give unrelated streams; xorshift needs non-zero state.
+     * Thread i's stream starts from seed + i: with one thread, the streams of before threads. */
+    for (int i = 0; i < nthreads; i++) {
+        struct sa_agg_thread *t = &a->th[i];
+        t->a = a;
+        t->index = i;
+        t->fd = -1;
+        pthread_mutex_init(&t->lock, NULL);
+        uint64_t z = seed + (uint64_t)i + 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        t->rng = (z ^ (z >> 31)) | 1;
+        t->rx_bufs = malloc((size_t)SA_BATCH * SA_RX_BUF);
+        t->out_payloads = malloc((size_t)OUT_PAYLOADS * SA_RX_BUF);
+    }
+    int rc = SA_OK;
+    for (int i = 0; i < nthreads && rc == SA_OK; i++) {
+        if (a->th[i].rx_bufs == NULL || a->th[i].out_payloads == NULL) {
+            errno = ENOMEM;
+            rc = SA_ERR_SYS;
+        } else {
+            rc = open_socket(a, i, &sa, host, err, errlen);
+        }
+    }
+    if (rc != SA_OK) {
         int e = errno;
-        close(fd);
-        return sa_fail(err, errlen, "cannot bind the aggregator to %s:%d: %s", host, port, strerror(e));
+        free_threads(a);
+        errno = e;
+        return rc;
     }
-    socklen_t sl = sizeof sa;
-    getsockname(fd, (struct sockaddr *)&sa, &sl);
-    a->fd = fd;
+    for (int i = 0; i < nthreads; i++) {
+        struct sa_agg_thread *t = &a->th[i];
+        for (int b = 0; b < SA_BATCH; b++) {
+            t->rx_iov[b].iov_base = t->rx_bufs + (size_t)b * SA_RX_BUF;
+            t->rx_iov[b].iov_len = SA_RX_BUF;
+        }
+    }
     a->port = ntohs(sa.sin_port);
     snprintf(a->host, sizeof a->host, "%s", host);
     a->drop_in = probs[0];
     a->dup_in = probs[1];
     a->drop_out = probs[2];
     a->dup_out = probs[3];
-    /* splitmix the seed so that small seeds give unrelated streams; xorshift needs non-zero state */
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    a->rng = (z ^ (z >> 31)) | 1;
-    for (int i = 0; i < SA_BATCH; i++) {
-        a->rx_iov[i].iov_base = a->rx_bufs + (size_t)i * SA_RX_BUF;
-        a->rx_iov[i].iov_len = SA_RX_BUF;
-    }
-    return 0;
+    return SA_OK;
+}
+
+int sa_agg_is_open(const struct sa_agg *a) { return a->th != NULL && a->th[0].fd >= 0; }
+
+/* Every thread's lock, in index order (the only place two are held): the threads see the job table
+ * and their counters change between batches only. */
+static void lock_all(struct sa_agg *a) {
+    for (int i = 0; i < a->nthreads; i++) pthread_mutex_lock(&a->th[i].lock);
+}
+
+static void unlock_all(struct sa_agg *a) {
+    for (int i = a->nthreads - 1; i >= 0; i--) pthread_mutex_unlock(&a->th[i].lock);
 }
 
 int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, size_t errlen) {
+    if (a->th == NULL) return sa_fail(err, errlen, "the aggregator is not open");
     if (spec->n < 1 || spec->n > SA_MAX_WORKERS)
         return sa_fail(err, errlen, "n (workers) must be in 1..%d, got %u", SA_MAX_WORKERS, spec->n);
     if (spec->k < 1 || spec->k > SA_MAX_K) return sa_fail(err, errlen, "k must be in 1..%d, got %u", SA_MAX_K, spec->k);
@@ -463,6 +587,9 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->first_local = (uint32_t)__builtin_ctz(j->local_mask);
     size_t count = spec->count;
     if (j->leaf && (j->final = calloc(2 * count, sizeof *j->final)) == NULL) goto nomem;
+    j->ctr = aligned_alloc(64, (size_t)a->nthreads * sizeof *j->ctr);
+    if (j->ctr == NULL) goto nomem;
+    memset(j->ctr, 0, (size_t)a->nthreads * sizeof *j->ctr);
     /* calloc: zero state, slot_gen 0 never equals a valid generation */
     j->slot_gen = calloc(count, sizeof *j->slot_gen);
     j->bitmap = calloc(2 * count, sizeof *j->bitmap);
@@ -477,7 +604,7 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     if (!j->slot_gen || !j->bitmap || !j->cnt || !j->exp || !j->values || !j->rcall || !j->rtotal ||
         !j->roffset || !j->rflags || !j->poison)
         goto nomem;
-    pthread_mutex_lock(&a->lock);
+    lock_all(a);
     struct job *other = a->jobs[spec->id];
     int in_use = other != NULL;
     for (int i = 0; i < SA_NJOB_IDS && other == NULL; i++) {
@@ -486,8 +613,8 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     }
     if (other == NULL) a->jobs[spec->id] = j;
     uint32_t ob = other ? other->base : 0, oc = other ? other->count : 0, oid = other ? other->id : 0;
-    pthread_mutex_unlock(&a->lock);
-    if (other == NULL) return 0;
+    unlock_all(a);
+    if (other == NULL) return SA_OK;
     job_free(j);
     if (in_use) return sa_fail(err, errlen, "job id %u is already installed", spec->id);
     return sa_fail(err, errlen, "slots [%u, %u) of job %u overlap slots [%u, %u) of job %u", spec->base,
@@ -495,80 +622,107 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
 nomem:
     job_free(j);
     errno = ENOMEM;
-    return -2;
+    return SA_ERR_SYS;
 }
 
 int sa_agg_remove_job(struct sa_agg *a, int job_id) {
     struct job *j = NULL;
-    if (job_id >= 0 && job_id < SA_NJOB_IDS) {
-        pthread_mutex_lock(&a->lock);
+    if (a->th != NULL && job_id >= 0 && job_id < SA_NJOB_IDS) {
+        lock_all(a);
         j = a->jobs[job_id];
         a->jobs[job_id] = NULL;
-        pthread_mutex_unlock(&a->lock);
+        unlock_all(a);
     }
     if (j == NULL) return -1;
     job_free(j);
-    return 0;
+    return SA_OK;
+}
+
+void sa_agg_counters_free(struct sa_agg_counters *c) {
+    free(c->jobs);
+    free(c->threads);
+    c->jobs = NULL;
+    c->threads = NULL;
 }
 
 int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
     memset(out, 0, sizeof *out);
-    pthread_mutex_lock(&a->lock);
+    if (a->th == NULL) {
+        errno = EBADF;
+        return SA_ERR_SYS;
+    }
+    out->nthreads = a->nthreads;
+    out->threads = calloc((size_t)a->nthreads, sizeof *out->threads);
+    lock_all(a);
     size_t njobs = 0;
     for (int i = 0; i < SA_NJOB_IDS; i++) njobs += a->jobs[i] != NULL;
     out->jobs = malloc((njobs ? njobs : 1) * sizeof *out->jobs);
-    if (out->jobs != NULL) {
+    if (out->jobs != NULL && out->threads != NULL) {
         for (int i = 0; i < SA_NJOB_IDS; i++) {
             struct job *j = a->jobs[i];
             if (j == NULL) continue;
             struct sa_job_counters *c = &out->jobs[out->njobs++];
+            memset(c, 0, sizeof *c);
             c->id = j->id;
             c->leaf = j->leaf;
-            const uint64_t v[SA_JOB_COUNTERS] = {j->aggregated,    j->multicast,       j->resent,       j->retrans_ignored,
-                                                 j->upstream_sent, j->upstream_resent, j->stale_results};
-            memcpy(c->c, v, sizeof v);
+            for (int t = 0; t < a->nthreads; t++) {
+                for (int k = 0; k < SA_JOB_COUNTERS; k++) c->c[k] += j->ctr[t].c[k];
+                out->threads[t].aggregated += j->ctr[t].c[JC_AGGREGATED];
+            }
+        }
+        for (int i = 0; i < a->nthreads; i++) {
+            const struct sa_agg_thread *t = &a->th[i];
+            struct sa_thread_counters *tc = &out->threads[i];
+            tc->rx = t->rx;
+            tc->tx = t->tx;
+            tc->misrouted = t->misrouted;
+            out->rx += t->rx;
+            out->tx += t->tx;
+            for (int d = 0; d < SA_DROP_NREASONS; d++) {
+                out->drops[d] += t->drops[d];
+                tc->dropped += t->drops[d];
+            }
+            for (int f = 0; f < SA_F_N; f++) out->faults[f] += t->faults[f];
         }
     }
-    out->rx = a->rx;
-    out->tx = a->tx;
-    memcpy(out->drops, a->drops, sizeof out->drops);
-    memcpy(out->faults, a->faults, sizeof out->faults);
-    pthread_mutex_unlock(&a->lock);
-    if (out->jobs == NULL) {
+    unlock_all(a);
+    if (out->jobs == NULL || out->threads == NULL) {
+        sa_agg_counters_free(out);
         errno = ENOMEM;
-        return -2;
+        return SA_ERR_SYS;
     }
-    return 0;
+    return SA_OK;
 }
 
 /* Serve one received batch: fault injection in, the algorithm, then send what it produced. */
-static void serve_batch(struct sa_agg *a, int got) {
-    pthread_mutex_lock(&a->lock);
+static void serve_batch(struct sa_agg_thread *t, int got) {
+    const struct sa_agg *a = t->a;
+    pthread_mutex_lock(&t->lock);
     for (int i = 0; i < got; i++) {
-        a->rx++;
+        t->rx++;
         int times = 1;
-        if (a->drop_in > 0 && sa_rand01(&a->rng) < a->drop_in) {
-            a->faults[SA_F_DROPPED_IN]++;
+        if (a->drop_in > 0 && sa_rand01(&t->rng) < a->drop_in) {
+            t->faults[SA_F_DROPPED_IN]++;
             continue;
         }
-        if (a->dup_in > 0 && sa_rand01(&a->rng) < a->dup_in) {
-            a->faults[SA_F_DUPLICATED_IN]++;
+        if (a->dup_in > 0 && sa_rand01(&t->rng) < a->dup_in) {
+            t->faults[SA_F_DUPLICATED_IN]++;
             times = 2;
         }
-        for (int t = 0; t < times; t++)
-            process(a, a->rx_iov[i].iov_base, a->rx_msgs[i].msg_len, &a->rx_addr[i]);
+        for (int r = 0; r < times; r++)
+            process(t, t->rx_iov[i].iov_base, t->rx_msgs[i].msg_len, &t->rx_addr[i]);
     }
-    flush_out(a);
-    a->n_payloads = 0;
-    pthread_mutex_unlock(&a->lock);
+    flush_out(t);
+    t->n_payloads = 0;
+    pthread_mutex_unlock(&t->lock);
 }
 
-int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), void *ctx) {
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&a->running, &expected, 1)) return -1;
+/* One thread's loop on its socket until stop, halt, the deadline or the tick (thread 0 only). */
+static int serve_loop(struct sa_agg_thread *t, uint64_t deadline_ns, int (*tick)(void *), void *ctx) {
+    struct sa_agg *a = t->a;
     int rc = 0;
     uint64_t next_tick = sa_now_ns() + POLL_MS * 1000000ull;
-    while (!atomic_load(&a->stop_requested)) {
+    while (!atomic_load(&a->stop_requested) && !atomic_load(&a->halt)) {
         uint64_t now = sa_now_ns();
         if (now >= deadline_ns) break;
         if (tick != NULL && now >= next_tick) { /* e.g. let Ctrl-C interrupt a run() in Python's main thread */
@@ -580,7 +734,7 @@ int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), vo
         }
         uint64_t wait_ms = POLL_MS, left_ms = (deadline_ns - now) / 1000000ull;
         if (left_ms < wait_ms) wait_ms = left_ms + 1;
-        struct pollfd pfd = {.fd = a->fd, .events = POLLIN};
+        struct pollfd pfd = {.fd = t->fd, .events = POLLIN};
         int pr = poll(&pfd, 1, (int)wait_ms);
         if (pr < 0) {
             if (errno == EINTR) continue;
@@ -589,50 +743,76 @@ int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), vo
         }
         if (pr == 0) continue;
         for (int i = 0; i < SA_BATCH; i++) {
-            memset(&a->rx_msgs[i].msg_hdr, 0, sizeof a->rx_msgs[i].msg_hdr);
-            a->rx_msgs[i].msg_hdr.msg_name = &a->rx_addr[i];
-            a->rx_msgs[i].msg_hdr.msg_namelen = sizeof a->rx_addr[i];
-            a->rx_msgs[i].msg_hdr.msg_iov = &a->rx_iov[i];
-            a->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+            memset(&t->rx_msgs[i].msg_hdr, 0, sizeof t->rx_msgs[i].msg_hdr);
+            t->rx_msgs[i].msg_hdr.msg_name = &t->rx_addr[i];
+            t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_addr[i];
+            t->rx_msgs[i].msg_hdr.msg_iov = &t->rx_iov[i];
+            t->rx_msgs[i].msg_hdr.msg_iovlen = 1;
         }
-        int got = recvmmsg(a->fd, a->rx_msgs, SA_BATCH, MSG_DONTWAIT, NULL);
+        int got = recvmmsg(t->fd, t->rx_msgs, SA_BATCH, MSG_DONTWAIT, NULL);
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) continue;
             rc = errno;
             break;
         }
-        serve_batch(a, got);
+        serve_batch(t, got);
+    }
+    if (rc != 0) atomic_store(&a->halt, 1); /* one thread failed: the others end too */
+    return rc;
+}
+
+static void *serve_thread(void *arg) {
+    struct sa_agg_thread *t = arg;
+    t->rc = serve_loop(t, UINT64_MAX, NULL, NULL);
+    return NULL;
+}
+
+int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), void *ctx) {
+    if (a->th == NULL) return EBADF;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&a->running, &expected, 1)) return -1;
+    atomic_store(&a->halt, 0);
+    /* The helper threads take no signals: they stay with the caller's threads (Python's main one). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = 0, started = 1;
+    for (; started < a->nthreads; started++) {
+        a->th[started].rc = 0;
+        int e = pthread_create(&a->th[started].tid, NULL, serve_thread, &a->th[started]);
+        if (e != 0) {
+            rc = e;
+            break;
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc == 0) rc = serve_loop(&a->th[0], deadline_ns, tick, ctx);
+    atomic_store(&a->halt, 1);
+    for (int i = 1; i < started; i++) {
+        pthread_join(a->th[i].tid, NULL);
+        if (rc == 0) rc = a->th[i].rc;
     }
     atomic_store(&a->stop_requested, 0);
+    atomic_store(&a->halt, 0);
     atomic_store(&a->running, 0);
     return rc;
 }
 
 void sa_agg_stop(struct sa_agg *a) { atomic_store(&a->stop_requested, 1); }
 
-void sa_agg_init(struct sa_agg *a) {
-    memset(a, 0, sizeof *a);
-    a->fd = -1;
-    pthread_mutex_init(&a->lock, NULL);
-}
+void sa_agg_init(struct sa_agg *a) { memset(a, 0, sizeof *a); }
 
 int sa_agg_close(struct sa_agg *a) {
     if (atomic_load(&a->running)) return -1;
-    if (a->fd >= 0) close(a->fd);
-    a->fd = -1;
-    return 0;
+    if (a->th != NULL) close_sockets(a);
+    return SA_OK;
 }
 
 void sa_agg_free(struct sa_agg *a) {
-    if (a->fd >= 0) close(a->fd);
-    a->fd = -1;
+    free_threads(a);
     if (a->jobs != NULL) {
         for (int i = 0; i < SA_NJOB_IDS; i++) job_free(a->jobs[i]);
         free(a->jobs);
         a->jobs = NULL;
     }
-    free(a->rx_bufs);
-    free(a->out_payloads);
-    a->rx_bufs = a->out_payloads = NULL;
-    pthread_mutex_destroy(&a->lock);
 }

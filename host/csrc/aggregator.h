@@ -1,4 +1,5 @@
-/* The software aggregator engine: the algorithm of docs/PROTOCOL.md on one UDP socket, plain C.
+/* The software aggregator engine: the algorithm of docs/PROTOCOL.md on one UDP port, served by one
+ * or more threads (each owns the slots congruent to its index), plain C.
  * py/aggregator_py.c binds it to Python (switchagg._core.Aggregator); it includes no Python header. */
 #ifndef SWITCHAGG_AGGREGATOR_H
 #define SWITCHAGG_AGGREGATOR_H
@@ -11,6 +12,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "errmsg.h"
 #include "protocol.h"
 
 #define SA_BATCH 64                    /* datagrams per recvmmsg */
@@ -39,13 +41,22 @@ struct sa_job_spec {
 struct sa_job_counters {
     uint16_t id;
     int leaf;                        /* a leaf's job has all SA_JOB_COUNTERS, others the first 4 */
-    uint64_t c[SA_JOB_COUNTERS];
+    uint64_t c[SA_JOB_COUNTERS];     /* summed over the threads */
+};
+
+/* One serving thread's own counters. */
+struct sa_thread_counters {
+    uint64_t rx, tx, dropped;        /* dropped: its drops over every reason */
+    uint64_t aggregated;             /* contributions it added, over every job */
+    uint64_t misrouted;              /* a packet for another thread's slot (dropped; see sa_agg_open) */
 };
 
 struct sa_agg_counters {
-    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N];
+    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N]; /* summed over the threads */
     size_t njobs;
-    struct sa_job_counters *jobs;    /* malloc'ed: the caller frees it */
+    struct sa_job_counters *jobs;    /* malloc'ed */
+    int nthreads;
+    struct sa_thread_counters *threads; /* malloc'ed, nthreads of them */
 };
 
 struct out_msg {
@@ -56,20 +67,21 @@ struct out_msg {
 };
 
 struct job;
+struct sa_agg;
 
-struct sa_agg {
+/* One serving thread: its socket in the SO_REUSEPORT group, the slots it owns (slot % nthreads ==
+ * index: the kernel steers every packet there by its pool field), its buffers and counters. */
+struct sa_agg_thread {
+    struct sa_agg *a;
+    int index;
     int fd;
-    int port;
-    char host[INET_ADDRSTRLEN];
-    double drop_in, dup_in, drop_out, dup_out; /* fault injection probabilities */
-    uint64_t rng;
+    uint64_t rng;                    /* the fault injector's stream */
+    pthread_t tid;
+    int rc;                          /* why its loop ended: 0 or an errno */
+    /* Held while it serves a batch: add_job, remove_job and counters take every thread's. */
     pthread_mutex_t lock;
-    atomic_int stop_requested;
-    atomic_int running;
-    /* Protected by lock: */
-    struct job **jobs;               /* by job id */
-    uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N];
-    /* Owned by the thread in sa_agg_serve: */
+    uint64_t rx, tx, misrouted, drops[SA_DROP_NREASONS], faults[SA_F_N];
+    /* Owned by the thread while serving: */
     uint8_t *rx_bufs;
     struct mmsghdr rx_msgs[SA_BATCH];
     struct iovec rx_iov[SA_BATCH];
@@ -80,21 +92,41 @@ struct sa_agg {
     size_t n_payloads;
     struct mmsghdr tx_msgs[SA_OUT_MSGS];
     struct iovec tx_iov[SA_OUT_MSGS][2];
+} __attribute__((aligned(64)));
+
+struct sa_agg {
+    int nthreads;                    /* 0 until sa_agg_open */
+    struct sa_agg_thread *th;        /* nthreads of them */
+    int port;
+    char host[INET_ADDRSTRLEN];
+    double drop_in, dup_in, drop_out, dup_out; /* fault injection probabilities */
+    atomic_int stop_requested;
+    atomic_int halt;                 /* every serving thread ends its loop */
+    atomic_int running;
+    struct job **jobs;               /* by job id: written with every thread's lock held, read under one */
 };
 
-/* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
+#define SA_MAX_THREADS 256
+
+/* Functions returning int return an sa_rc (errmsg.h): SA_OK, SA_ERR_ARG with the reason in err (bad
+ * arguments), SA_ERR_SYS with errno, or SA_ERR_BIND (the address is taken: the reason in err, errno). */
 
 void sa_agg_init(struct sa_agg *a);
-/* Binds host:port; probs = drop_in, dup_in, drop_out, dup_out; seed for the fault injector. */
-int sa_agg_open(struct sa_agg *a, const char *host, int port, const double probs[4], uint64_t seed, char *err,
-                size_t errlen);
+/* Binds host:port with nthreads sockets (1..SA_MAX_THREADS; more than one: an SO_REUSEPORT group
+ * whose classic BPF program picks socket pool_slot % nthreads, so each slot is served by one thread
+ * only); probs = drop_in, dup_in, drop_out, dup_out; seed for the fault injector. */
+int sa_agg_open(struct sa_agg *a, const char *host, int port, int nthreads, const double probs[4], uint64_t seed,
+                char *err, size_t errlen);
+int sa_agg_is_open(const struct sa_agg *a);
 int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, size_t errlen);
 /* -1: no such job. */
 int sa_agg_remove_job(struct sa_agg *a, int job_id);
-/* A consistent snapshot; out->jobs is the caller's to free. */
+/* A consistent snapshot; free it with sa_agg_counters_free. */
 int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out);
-/* Serves until sa_agg_stop, the deadline (CLOCK_MONOTONIC ns; UINT64_MAX: none), or tick(ctx)
- * (called every ~50 ms) returns non-zero (then 1). Returns 0, 1, an errno, or -1 if already serving. */
+void sa_agg_counters_free(struct sa_agg_counters *c);
+/* Serves with every thread (the caller is thread 0) until sa_agg_stop, the deadline (CLOCK_MONOTONIC
+ * ns; UINT64_MAX: none), or tick(ctx) (called on the caller's thread every ~50 ms) returns non-zero
+ * (then 1). Returns 0, 1, an errno (a thread failed), or -1 if already serving. */
 int sa_agg_serve(struct sa_agg *a, uint64_t deadline_ns, int (*tick)(void *), void *ctx);
 void sa_agg_stop(struct sa_agg *a);   /* from any thread; serve returns within ~50 ms */
 int sa_agg_close(struct sa_agg *a);   /* -1 while serving */

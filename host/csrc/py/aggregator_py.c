@@ -10,23 +10,28 @@ typedef struct {
 } Aggregator;
 
 static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", "drop_in", "dup_in", "drop_out", "dup_out", "seed", NULL};
+    static char *kwlist[] = {"host", "port", "drop_in", "dup_in", "drop_out", "dup_out", "seed", "threads", NULL};
     const char *host = "127.0.0.1";
-    int port = 0;
+    int port = 0, threads = 1;
     unsigned long long seed = 1;
     double p[4] = {0, 0, 0, 0};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|siddddK", kwlist, &host, &port, &p[0], &p[1], &p[2], &p[3],
-                                     &seed))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|siddddKi", kwlist, &host, &port, &p[0], &p[1], &p[2], &p[3],
+                                     &seed, &threads))
         return -1;
-    if (self->a.fd >= 0) {
+    if (self->a.th != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Aggregator is already initialised");
         return -1;
     }
     char err[256];
-    int rc = sa_agg_open(&self->a, host, port, p, seed, err, sizeof err);
-    if (rc == -1) PyErr_SetString(strncmp(err, "cannot bind", 11) == 0 ? PyExc_OSError : PyExc_ValueError, err);
-    if (rc == -2) PyErr_SetFromErrno(PyExc_OSError);
-    return rc < 0 ? -1 : 0;
+    int rc = sa_agg_open(&self->a, host, port, threads, p, seed, err, sizeof err);
+    if (rc == SA_ERR_ARG) PyErr_SetString(PyExc_ValueError, err);
+    if (rc == SA_ERR_SYS) PyErr_SetFromErrno(PyExc_OSError);
+    if (rc == SA_ERR_BIND) { /* OSError(errno, message): .errno says why (EADDRINUSE, EADDRNOTAVAIL, ...) */
+        PyObject *e = Py_BuildValue("(is)", errno, err);
+        if (e != NULL) PyErr_SetObject(PyExc_OSError, e);
+        Py_XDECREF(e);
+    }
+    return rc == SA_OK ? 0 : -1;
 }
 
 static PyObject *Aggregator_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -42,7 +47,7 @@ static void Aggregator_dealloc(Aggregator *self) {
 }
 
 static int check_open(Aggregator *self) {
-    if (self->a.fd < 0) {
+    if (!sa_agg_is_open(&self->a)) {
         PyErr_SetString(PyExc_RuntimeError, "Aggregator is closed or was not initialised");
         return -1;
     }
@@ -147,8 +152,8 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
         return NULL;
     char err[256];
     int rc = sa_agg_add_job(&self->a, &spec, err, sizeof err);
-    if (rc == -1) return PyErr_Format(PyExc_ValueError, "%s", err);
-    if (rc == -2) return PyErr_SetFromErrno(PyExc_OSError);
+    if (rc == SA_ERR_ARG) return PyErr_Format(PyExc_ValueError, "%s", err);
+    if (rc != SA_OK) return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
 
@@ -174,7 +179,17 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
     struct sa_agg_counters c;
     if (sa_agg_counters(&self->a, &c) < 0) return PyErr_NoMemory();
     PyObject *res = PyDict_New(), *d = PyDict_New(), *f = PyDict_New(), *js = PyDict_New();
-    if (!res || !d || !f || !js) goto fail;
+    PyObject *ts = PyList_New(c.nthreads);
+    if (!res || !d || !f || !js || !ts) goto fail;
+    for (int i = 0; i < c.nthreads; i++) {
+        const struct sa_thread_counters *t = &c.threads[i];
+        PyObject *td = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "rx", (unsigned long long)t->rx, "tx",
+                                     (unsigned long long)t->tx, "dropped", (unsigned long long)t->dropped,
+                                     "aggregated", (unsigned long long)t->aggregated, "misrouted",
+                                     (unsigned long long)t->misrouted);
+        if (td == NULL) goto fail;
+        PyList_SET_ITEM(ts, i, td);
+    }
     if (set_u64(res, "rx", c.rx) < 0 || set_u64(res, "tx", c.tx) < 0) goto fail;
     for (int i = 0; i < SA_DROP_NREASONS; i++)
         if (set_u64(d, sa_drop_names[i], c.drops[i]) < 0) goto fail;
@@ -191,19 +206,21 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
         if (bad) goto fail;
     }
     if (PyDict_SetItemString(res, "drops", d) < 0 || PyDict_SetItemString(res, "faults", f) < 0 ||
-        PyDict_SetItemString(res, "jobs", js) < 0)
+        PyDict_SetItemString(res, "jobs", js) < 0 || PyDict_SetItemString(res, "threads", ts) < 0)
         goto fail;
     Py_DECREF(d);
     Py_DECREF(f);
     Py_DECREF(js);
-    free(c.jobs);
+    Py_DECREF(ts);
+    sa_agg_counters_free(&c);
     return res;
 fail:
     Py_XDECREF(res);
     Py_XDECREF(d);
     Py_XDECREF(f);
     Py_XDECREF(js);
-    free(c.jobs);
+    Py_XDECREF(ts);
+    sa_agg_counters_free(&c);
     return NULL;
 }
 
@@ -259,6 +276,7 @@ static PyObject *Aggregator_close(Aggregator *self, PyObject *unused) {
 
 static PyObject *Aggregator_get_port(Aggregator *self, void *closure) { return PyLong_FromLong(self->a.port); }
 static PyObject *Aggregator_get_host(Aggregator *self, void *closure) { return PyUnicode_FromString(self->a.host); }
+static PyObject *Aggregator_get_threads(Aggregator *self, void *closure) { return PyLong_FromLong(self->a.nthreads); }
 static PyObject *Aggregator_get_running(Aggregator *self, void *closure) {
     return PyBool_FromLong(atomic_load(&self->a.running));
 }
@@ -270,11 +288,12 @@ static PyMethodDef Aggregator_methods[] = {
      "upstream = the spine's (ip, port) the job is aggregated here as leaf leaf_index: addrs[r] is None for "
      "ranks behind other leaves."},
     {"remove_job", (PyCFunction)Aggregator_remove_job, METH_VARARGS, "remove_job(job_id): uninstall a job."},
-    {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "Counters as a dict (see docs/PROTOCOL.md)."},
+    {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS,
+     "Counters as a dict (see docs/PROTOCOL.md), summed over the threads; 'threads': each thread's own."},
     {"run", (PyCFunction)(void (*)(void))Aggregator_run, METH_VARARGS | METH_KEYWORDS,
      "run(timeout=None): serve until stop() or the timeout, GIL released."},
     {"stop", (PyCFunction)Aggregator_stop, METH_NOARGS, "Ask run() to return (within ~50 ms)."},
-    {"close", (PyCFunction)Aggregator_close, METH_NOARGS, "Close the socket."},
+    {"close", (PyCFunction)Aggregator_close, METH_NOARGS, "Close the sockets."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -282,6 +301,7 @@ static PyGetSetDef Aggregator_getset[] = {
     {"port", (getter)Aggregator_get_port, NULL, "The bound UDP port.", NULL},
     {"host", (getter)Aggregator_get_host, NULL, "The bound IPv4 address.", NULL},
     {"running", (getter)Aggregator_get_running, NULL, "Whether run() is serving.", NULL},
+    {"threads", (getter)Aggregator_get_threads, NULL, "Serving threads (and sockets on the port).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -290,8 +310,9 @@ static PyTypeObject AggregatorType = {
     .tp_basicsize = sizeof(Aggregator),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Aggregator(host='127.0.0.1', port=0, drop_in=0.0, dup_in=0.0, drop_out=0.0, dup_out=0.0, "
-              "seed=1)\n"
-              "The software aggregator of docs/PROTOCOL.md on one UDP socket.",
+              "seed=1, threads=1)\n"
+              "The software aggregator of docs/PROTOCOL.md on one UDP port; run() serves it with `threads` "
+              "threads, each owning the slots congruent to its index.",
     .tp_new = Aggregator_new,
     .tp_init = (initproc)Aggregator_init,
     .tp_dealloc = (destructor)Aggregator_dealloc,

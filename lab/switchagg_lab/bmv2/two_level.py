@@ -83,7 +83,8 @@ class TwoLevelJob:
         else:
             ranks = ",".join(f"{leaf_ip(r)}:{protocol.UDP_PORT}" for r in range(len(self.bed.racks)))
             spec = f"{JOB}:{len(self.bed.racks)}:0:{self.slots}:{protocol.P4_K}:{self.generation}@{ranks}"
-            argv = ["ip", "netns", "exec", self.bed.spine_ns, sys.executable, "-m", "switchagg.aggregator"]
+            argv = ["ip", "netns", "exec", self.bed.spine_ns]
+            argv += [sys.executable, "-m", "switchagg.aggregator_cli"]
             argv += ["--host", SPINE_IP, "--port", str(protocol.UDP_PORT), "--job", spec]
             path = out / "spine.counters.json"
             self.spine_node = Node("spine", [*argv, "--counters-json", str(path)], path)

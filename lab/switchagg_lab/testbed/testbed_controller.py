@@ -103,7 +103,7 @@ def start_two_level_service(
     for name, ns, ip in nodes:
         sock = workdir / f"{name}.sock"
         argv = [
-            sys.executable, "-m", "switchagg.aggregator", "--host", ip, "--port", str(protocol.UDP_PORT),
+            sys.executable, "-m", "switchagg.aggregator_cli", "--host", ip, "--port", str(protocol.UDP_PORT),
             "--control", f"unix:{sock}", "--control-secret-file", str(node_secret),
         ]  # fmt: skip
         pids[name] = _spawn(ns, argv, workdir / f"{name}.log", sock, f"the {name} aggregator").pid

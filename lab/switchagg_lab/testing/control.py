@@ -44,7 +44,7 @@ class ControlledAggregator:
         # ip netns exec execs the command: the process is the aggregator itself (kill() is a crash)
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "switchagg.aggregator", "--host", self.host,
+            [*prefix, sys.executable, "-m", "switchagg.aggregator_cli", "--host", self.host,
              "--port", str(self.port), "--control", self.target,
              "--control-secret-file", str(self.secret_file)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

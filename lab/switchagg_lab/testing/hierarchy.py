@@ -17,7 +17,7 @@ from typing import Any
 from switchagg.aggregator import new_key
 from switchagg_lab.testing.local import WORKER, _read_address
 
-AGGREGATOR = [sys.executable, "-m", "switchagg.aggregator"]
+AGGREGATOR = [sys.executable, "-m", "switchagg.aggregator_cli"]
 _START_S = 30.0  # an aggregator prints its listening line within this (generous: only against a hang)
 _STOP_S = 30.0
 

@@ -15,6 +15,7 @@ one change computes must not interleave with another's.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import math
 import time
@@ -33,6 +34,9 @@ from switchagg_controller.planes import DataPlane, DataPlaneError
 from switchagg_controller.store import JobRecord, Store
 
 MAX_JOB_ID = 0xFFFF
+
+
+ENDED_KEPT = 1024  # reasons of ended jobs kept for late heartbeats
 
 
 class JobError(Exception):
@@ -114,6 +118,9 @@ class JobManager:
         self._changing = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}
         self._active: dict[int, _Active] = {}
+        # Why recent jobs ended, by job id: a worker's heartbeat for one is answered with the reason
+        # (torn down, reaped), so its error says what happened instead of a generic timeout.
+        self._ended: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     # -- startup -----------------------------------------------------------------------------
 
@@ -345,7 +352,10 @@ class JobManager:
     def _get(self, job_id: int, rank: int | None = None) -> _Active:
         active = self._active.get(job_id)
         if active is None:
-            raise JobError(grpc.StatusCode.NOT_FOUND, f"no job {job_id} (torn down, reaped or never created)")
+            ended = self._ended.get(job_id)
+            raise JobError(
+                grpc.StatusCode.NOT_FOUND, ended or f"no job {job_id} (torn down, reaped or never created)"
+            )
         if rank is not None and rank not in active.last_seen:
             raise JobError(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no rank {rank}")
         return active
@@ -367,14 +377,14 @@ class JobManager:
             return False
         async with self._changing:
             if self._active.get(job_id) is active:  # not removed while we waited
-                await self._remove(active)
+                await self._remove(active, "every rank left it")
         return True
 
     async def teardown(self, job: str) -> int:
         async with self._changing:  # a job being installed is torn down once it is
             for active in list(self._active.values()):
                 if active.record.job.name == job or str(active.record.job.job_id) == job:
-                    await self._remove(active)
+                    await self._remove(active, "an operator tore it down (switchagg-ctl teardown)")
                     return active.record.job.job_id
             pending = self._pending.pop(job, None)
             if pending is not None:
@@ -383,10 +393,13 @@ class JobManager:
                 return 0
         raise JobError(grpc.StatusCode.NOT_FOUND, f"no job named or numbered {job!r}")
 
-    async def _remove(self, active: _Active) -> None:
-        """Under ``_changing``."""
+    async def _remove(self, active: _Active, reason: str) -> None:
+        """Under ``_changing``. ``reason`` is what a heartbeat for the job is told from now on."""
         job = active.record.job
         del self._active[job.job_id]
+        self._ended[job.job_id] = f"job {job.job_id} ({job.name!r}) ended: {reason}"
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
         self.store.delete(job.job_id)
         plane = self.planes[active.record.data_plane]
         await plane.remove(job)
@@ -425,7 +438,16 @@ class JobManager:
                 if activity != baseline:
                     active.last_seen = dict.fromkeys(active.last_seen, self.clock())
                     continue
-                await self._remove(active)
+                silent = sorted(
+                    r
+                    for r, seen in active.last_seen.items()
+                    if r not in record.left and now - seen > self.reap_timeout
+                )
+                await self._remove(
+                    active,
+                    f"the controller reaped it: rank(s) {silent} sent no heartbeat and the job no "
+                    f"traffic for {self.reap_timeout:g} s",
+                )
                 reaped.append(job_id)
         return reaped
 

@@ -30,6 +30,20 @@ class JobServiceError(Exception):
 
 
 @dataclass(frozen=True)
+class ShardAssignment:
+    """One shard of a striped job as this worker sees it (docs/PROTOCOL.md, Striping)."""
+
+    index: int
+    node: str
+    aggregator_ip: str
+    aggregator_port: int
+    slot_base: int
+    slot_count: int
+    key: int
+    udp_port: int  # this worker's port the shard pins
+
+
+@dataclass(frozen=True)
 class Assignment:
     """What the controller told this worker: where to aggregate and with which parameters."""
 
@@ -44,6 +58,7 @@ class Assignment:
     k: int
     generation: int
     key: int = 0  # the job's result key: its aggregator's RESULTs carry it (Session(key=...))
+    shards: tuple[ShardAssignment, ...] = ()  # a striped job's shards (the fields above: shard 0's)
 
 
 def _call(service: str, what: str, method: str, request: object, timeout: float) -> object:
@@ -68,11 +83,14 @@ def join(
     udp_port: int,
     rank: int | None = None,
     timeout: float = 60.0,
+    shard_ports: tuple[int, ...] = (),
 ) -> Assignment:
     """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed.
 
     ``rank``: None for any free rank, else 0..world_size-1; ``timeout``: positive seconds
-    (ValueError otherwise; the service checks everything else and answers INVALID_ARGUMENT)."""
+    (ValueError otherwise; the service checks everything else and answers INVALID_ARGUMENT).
+    ``shard_ports``: to join a job striped across ``len(shard_ports)`` reducers, this worker's
+    UDP port for each shard (the first is ``udp_port``); () for a job that is not striped."""
     if rank is not None and not 0 <= rank < max(world_size, 1):
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (None asks for any free rank)")
     if not 0 < timeout < math.inf:
@@ -85,6 +103,8 @@ def join(
         udp_port=udp_port,
         rank=-1 if rank is None else rank,
         timeout_s=timeout,
+        shards=len(shard_ports),
+        shard_ports=list(shard_ports),
     )
     # The server enforces the join timeout and answers with a clear error; the RPC deadline
     # only has to outlast it.
@@ -102,7 +122,35 @@ def join(
         r.k,
         r.generation,
         r.result_key,
+        tuple(_shard(s) for s in r.shards),
     )
+
+
+def _shard(s: jobs_pb2.ShardAssignment) -> ShardAssignment:
+    return ShardAssignment(
+        s.index,
+        s.node,
+        s.aggregator_ip,
+        s.aggregator_port,
+        s.slot_base,
+        s.slot_count,
+        s.result_key,
+        s.udp_port,
+    )
+
+
+def describe(service: str, secret: str, timeout: float = 10.0) -> int:
+    """The size of the service's reducer pool: how many shards a striped job gets by default (0:
+    none; also from a controller older than the Describe call)."""
+    request = jobs_pb2.DescribeRequest(secret=secret)
+    try:
+        r = _call(service, "describe the job service", "Describe", request, timeout)
+    except JobServiceError as e:
+        if e.code == grpc.StatusCode.UNIMPLEMENTED:
+            return 0
+        raise
+    assert isinstance(r, jobs_pb2.DescribeReply)
+    return int(r.reducers)
 
 
 def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> bool:

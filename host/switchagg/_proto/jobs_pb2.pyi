@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("secret", "job_name", "world_size", "ip", "udp_port", "rank", "timeout_s")
+    __slots__ = ("secret", "job_name", "world_size", "ip", "udp_port", "rank", "timeout_s", "shards", "shard_ports")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,8 @@ class JoinRequest(_message.Message):
     UDP_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PORTS_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_name: str
     world_size: int
@@ -22,10 +24,32 @@ class JoinRequest(_message.Message):
     udp_port: int
     rank: int
     timeout_s: float
-    def __init__(self, secret: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    shards: int
+    shard_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, secret: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., shards: _Optional[int] = ..., shard_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardAssignment(_message.Message):
+    __slots__ = ("index", "node", "aggregator_ip", "aggregator_port", "slot_base", "slot_count", "result_key", "udp_port")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_IP_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_PORT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BASE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_KEY_FIELD_NUMBER: _ClassVar[int]
+    UDP_PORT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    node: str
+    aggregator_ip: str
+    aggregator_port: int
+    slot_base: int
+    slot_count: int
+    result_key: int
+    udp_port: int
+    def __init__(self, index: _Optional[int] = ..., node: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., result_key: _Optional[int] = ..., udp_port: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation", "result_key")
+    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation", "result_key", "shards")
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_IP_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +61,7 @@ class JoinReply(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESULT_KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     data_plane: str
     aggregator_ip: str
     aggregator_port: int
@@ -48,7 +73,8 @@ class JoinReply(_message.Message):
     k: int
     generation: int
     result_key: int
-    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., result_key: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardAssignment]
+    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., result_key: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("secret", "job_id", "rank")
@@ -101,7 +127,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "data_plane", "world_size", "slot_base", "slot_count", "k", "generation", "workers", "state")
+    __slots__ = ("job_id", "name", "data_plane", "world_size", "slot_base", "slot_count", "k", "generation", "workers", "state", "shards")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +138,7 @@ class JobInfo(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     name: str
     data_plane: str
@@ -122,7 +149,24 @@ class JobInfo(_message.Message):
     generation: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     state: str
-    def __init__(self, job_id: _Optional[int] = ..., name: _Optional[str] = ..., data_plane: _Optional[str] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., state: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, job_id: _Optional[int] = ..., name: _Optional[str] = ..., data_plane: _Optional[str] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., state: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("index", "node", "aggregator_ip", "aggregator_port", "slot_base", "slot_count")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_IP_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_PORT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BASE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    node: str
+    aggregator_ip: str
+    aggregator_port: int
+    slot_base: int
+    slot_count: int
+    def __init__(self, index: _Optional[int] = ..., node: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
 
 class ListJobsReply(_message.Message):
     __slots__ = ("jobs",)
@@ -181,3 +225,15 @@ class CountersReply(_message.Message):
     counters: _containers.RepeatedCompositeFieldContainer[Counter]
     unavailable: _containers.RepeatedCompositeFieldContainer[Unavailable]
     def __init__(self, counters: _Optional[_Iterable[_Union[Counter, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("secret",)
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("reducers",)
+    REDUCERS_FIELD_NUMBER: _ClassVar[int]
+    reducers: int
+    def __init__(self, reducers: _Optional[int] = ...) -> None: ...

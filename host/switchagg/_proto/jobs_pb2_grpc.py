@@ -64,6 +64,11 @@ class JobServiceStub:
                 request_serializer=switchagg_dot_jobs__pb2.CountersRequest.SerializeToString,
                 response_deserializer=switchagg_dot_jobs__pb2.CountersReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/switchagg.v1.JobService/Describe',
+                request_serializer=switchagg_dot_jobs__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=switchagg_dot_jobs__pb2.DescribeReply.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -107,6 +112,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What this service offers a joining worker before it joins: the size of its reducer pool (how
+        many shards a striped job gets by default, docs/CONTROLLER.md, The reducer pool).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.Counters,
                     request_deserializer=switchagg_dot_jobs__pb2.CountersRequest.FromString,
                     response_serializer=switchagg_dot_jobs__pb2.CountersReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=switchagg_dot_jobs__pb2.DescribeRequest.FromString,
+                    response_serializer=switchagg_dot_jobs__pb2.DescribeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +321,33 @@ class JobService:
             '/switchagg.v1.JobService/Counters',
             switchagg_dot_jobs__pb2.CountersRequest.SerializeToString,
             switchagg_dot_jobs__pb2.CountersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchagg.v1.JobService/Describe',
+            switchagg_dot_jobs__pb2.DescribeRequest.SerializeToString,
+            switchagg_dot_jobs__pb2.DescribeReply.FromString,
             options,
             channel_credentials,
             insecure,

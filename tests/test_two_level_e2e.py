@@ -38,13 +38,19 @@ def test_two_level_int32_exact_and_float32_within_bound(tmp_path: Path) -> None:
         assert sum(leaf["drops"].values()) == 0
         # One partial up per completed local round; every one answered by the spine.
         assert c["upstream"] == c["multicast"] == c["aggregated"] // 2 > 0
-        assert c["stale_results"] == c["upstream_resent"] == 0
     spine = o.spine["jobs"]["1"]
     assert (
         spine["aggregated"]
         == 2 * spine["multicast"]
         == sum(leaf["jobs"]["1"]["upstream"] for leaf in o.leaves)
     )
+    # Nothing is lost, but the aggregators serve with several threads (the CLI's default), whose
+    # results for different slots may overtake each other: a worker may take that for a loss and
+    # resend. Each resend that reached the spine was answered there (resent, or ignored while the
+    # other leaf's partial was missing), and each answer reached its leaf as a stale result.
+    leaves = [leaf["jobs"]["1"] for leaf in o.leaves]
+    assert sum(c["upstream_resent"] for c in leaves) == spine["resent"] + spine["retrans_ignored"]
+    assert sum(c["stale_results"] for c in leaves) == spine["resent"]
 
 
 @pytest.mark.reliability(

@@ -23,7 +23,7 @@ from switchagg_lab.testing.controller import Controller, metrics_address  # noqa
 from switchagg_lab.testing.kit import wait_until
 from switchagg_lab.testing.prom import scrape, value  # noqa: E402
 
-LENGTH = 1000  # switchagg_lab.bmv2.dp_worker's tensors
+LENGTH = 1000  # the job_worker tensors of controller_jobs.start_workers
 CHUNKS = -(-LENGTH // protocol.P4_K)
 
 

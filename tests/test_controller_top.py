@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,31 +17,11 @@ pytest.importorskip("finsy", reason="the controller needs its extra (pip install
 from switchagg import protocol  # noqa: E402
 from switchagg_controller import allocation, top  # noqa: E402
 from switchagg_lab.testing.controller import SECRET, Controller, ctl_json, metrics_address  # noqa: E402
+from switchagg_lab.testing.job_worker import PROGRAM, stop_together  # noqa: E402
 from switchagg_lab.testing.prom import scrape_until  # noqa: E402
 from switchagg_lab.testing.stepped import LENGTH, read_line, step, stepped_worker  # noqa: E402
 
 WAIT_S = 60.0
-
-# Allreduces until the stop file exists (bounded: 100000 allreduces or 120 s), then leaves. The
-# ranks agree on the last round through the sum itself, so none waits for a peer that left.
-LOOPING_WORKER = textwrap.dedent(
-    """
-    import sys, time
-    from pathlib import Path
-    import numpy as np
-    from switchagg import Session
-    service, secret, name = sys.argv[1:4]
-    n, stop = int(sys.argv[4]), Path(sys.argv[5])
-    deadline = time.monotonic() + 120
-    with Session.from_job_service(service, secret, name, n, join_timeout=60.0) as s:
-        for _ in range(100_000):
-            x = np.ones(5000, dtype=np.int32)
-            x[0] = int(stop.exists() or time.monotonic() > deadline)
-            s.allreduce(x)
-            if x[0]:
-                break
-    """
-)
 
 
 def _snapshot(ctl: Controller) -> top.Snapshot:
@@ -84,8 +62,22 @@ def test_rates_of_two_reads_around_known_allreduces_are_exact(software_controlle
 
 def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path) -> None:
     n, name, stop = 2, "top-live", tmp_path / "stop"
-    cmd = [sys.executable, "-c", LOOPING_WORKER, software_controller.address, SECRET, name, str(n), str(stop)]
-    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    progress = [tmp_path / f"progress{r}" for r in range(n)]
+    configs = [
+        {
+            "service": software_controller.address,
+            "secret": SECRET,
+            "name": name,
+            "n": n,
+            "rank": r,
+            "length": 5000,
+            "iterations": 100_000,
+            "progress": str(progress[r]),
+            "stop": str(stop),
+        }  # fmt: skip
+        for r in range(n)
+    ]
+    procs = [subprocess.Popen([*PROGRAM, json.dumps(c)], stderr=subprocess.PIPE, text=True) for c in configs]
     try:
         scrape_until(
             metrics_address(software_controller),
@@ -114,7 +106,7 @@ def test_top_shows_a_running_job(software_controller: Controller, tmp_path: Path
         assert row.split()[2] == "software" and row.split()[3] == str(n)
         assert any(line.startswith("software") and "16/32768" in line for line in lines)
     finally:
-        stop.touch()
+        stop_together(stop, progress)
         for p in procs:
             try:
                 assert p.wait(WAIT_S) == 0, p.communicate()[1]

@@ -1,20 +1,18 @@
-"""Controller jobs on bmv2: worker processes (dp_worker) started in the testbed's namespaces
+"""Controller jobs on bmv2: worker processes (job_worker) started in the testbed's namespaces
 against the controller's job service, their progress files, a common stop, their reports, and
 what the switch's tables and counters say about a job."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from switchagg_lab.testing.controller import SECRET
+from switchagg_lab.testing.job_worker import PROGRAM, progress_of
+from switchagg_lab.testing.job_worker import stop_together as stop_workers_together
 from switchagg_lab.testing.kit import json_reports
-
-WORKER = [sys.executable, "-m", "switchagg_lab.bmv2.dp_worker"]
 
 
 def start_workers(
@@ -31,35 +29,24 @@ def start_workers(
         cfg = {
             "service": service, "secret": SECRET, "name": name, "n": len(own_bed.endpoints), "ip": e.ip,
             "length": 1000, "iterations": iterations, "timeout": timeout,
-            "progress": str(tmp / f"{name}-{e.index}"), "stop": str(stop) if stop else None,
+            "progress": str(tmp / f"{name}-{e.index}"), "stop": str(stop) if stop else None, "catch": True,
         }  # fmt: skip
-        procs.append(e.popen([*WORKER, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(e.popen([*PROGRAM, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
 
 def progress(tmp: Path, name: str, endpoints: Any) -> list[int]:
     """The allreduces each worker finished so far (0 for a file not there or read mid-write)."""
-    done = []
-    for e in endpoints:
-        try:
-            done.append(int((tmp / f"{name}-{e.index}").read_text() or 0))
-        except (OSError, ValueError):
-            done.append(0)
-    return done
+    return progress_of([tmp / f"{name}-{e.index}" for e in endpoints])
 
 
 def stop_together(stop: Path, tmp: Path, name: str, endpoints: Any) -> None:
-    """Ends the workers' run at one iteration none of them began yet. (An empty stop file ends
-    each at its next check: one that finished an allreduce first may begin the next one while
-    its peers stop, and then waits for its session timeout.) Peers are at most one allreduce
-    apart, and a progress file read mid-write counts 0: two past the most seen is safe."""
-    part = stop.with_name(stop.name + ".part")
-    part.write_text(str(max(progress(tmp, name, endpoints)) + 2))
-    os.replace(part, stop)  # whole: a worker never reads half of it
+    """Ends the workers' run at one iteration none of them began yet (job_worker.stop_together)."""
+    stop_workers_together(stop, [tmp / f"{name}-{e.index}" for e in endpoints])
 
 
 def worker_reports(procs: list[Any], timeout: float = 300) -> list[dict[str, Any]]:
-    """Each dp_worker's final report (bounded; a failed or hung worker fails the test)."""
+    """Each job_worker's final report (bounded; a failed or hung worker fails the test)."""
     return json_reports(procs, timeout)
 
 

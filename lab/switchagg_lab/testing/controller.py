@@ -3,40 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
+from switchagg_lab.testing.job_worker import PROGRAM
 from switchagg_lab.testing.kit import json_reports
 
 SECRET = "s3cret-for-tests"
-
-# A worker process: joins through the job service, allreduces a tensor known from its rank, leaves.
-WORKER = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    from switchagg import Session, jobclient
-    service, secret, name = sys.argv[1:4]
-    n, length, seed = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    rank = None if sys.argv[7] == "-" else int(sys.argv[7])
-    bind = (sys.argv[8] if len(sys.argv) > 8 else "127.0.0.1", 0)
-    with Session.from_job_service(service, secret, name, n, rank=rank, bind=bind, join_timeout=60.0) as s:
-        a = s.assignment
-        x = (np.arange(length, dtype=np.int64) * (seed + 1) + a.rank * 7 - 3).astype(np.int32)
-        s.allreduce(x)
-        y = np.ones(length, dtype=np.float32) * (a.rank + 1) * 0.5
-        s.allreduce(y)
-        removed = jobclient.leave(service, secret, a)
-        print(json.dumps({"rank": a.rank, "job_id": a.job_id, "slot_base": a.slot_base,
-                          "slot_count": a.slot_count, "k": a.k, "data_plane": a.data_plane,
-                          "int_sum": int(x.astype(np.int64).sum()), "int_head": x[:4].tolist(),
-                          "float_head": y[:4].tolist(), "removed": removed}))
-    """
-)
 
 
 class Controller:
@@ -109,31 +84,29 @@ def start_workers(
     ranks: list[int | None] | None = None,
     bind_ips: list[str] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    """``bind_ips``: each worker's own address (default 127.0.0.1 for all)."""
+    """Worker processes (job_worker) that join ``name``, allreduce one int32 tensor known from
+    (rank, seed) and one float32 tensor, leave, and report (``collect``); ``bind_ips``: each
+    worker's own address (default 127.0.0.1 for all)."""
     ranks = ranks or [None] * n
     ips = bind_ips or ["127.0.0.1"] * len(ranks)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                WORKER,
-                service,
-                secret,
-                name,
-                str(n),
-                str(length),
-                str(seed),
-                "-" if r is None else str(r),
-                ip,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )  # fmt: skip
+    configs = [
+        {
+            "service": service,
+            "secret": secret,
+            "name": name,
+            "n": n,
+            "rank": r,
+            "ip": ip,
+            "length": length,
+            "seed": seed,
+            "float_round": True,
+            "leave": True,
+        }  # fmt: skip
         for r, ip in zip(ranks, ips, strict=True)
+    ]
+    return [
+        subprocess.Popen([*PROGRAM, json.dumps(c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in configs
     ]
 
 
@@ -143,7 +116,7 @@ def collect(procs: list[subprocess.Popen[str]], timeout: float = 120.0) -> list[
 
 
 def expected_int_sum(n: int, length: int, seed: int) -> tuple[int, list[int]]:
-    """The int32 allreduce of WORKER's tensors: sum over ranks of arange*(seed+1) + 7r - 3."""
+    """The int32 allreduce of start_workers' tensors: sum over ranks of arange*(seed+1) + 7r - 3."""
     head = [sum(i * (seed + 1) + r * 7 - 3 for r in range(n)) for i in range(4)]
     total = sum(sum(i * (seed + 1) + r * 7 - 3 for i in range(length)) for r in range(n))
     return total, head

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -200,14 +201,24 @@ class Heartbeat:
     last such failure is in ``retrying`` (None once a heartbeat succeeded again), their number in
     ``failures``. A definitive answer (NOT_FOUND: the job was torn down or reaped;
     UNAUTHENTICATED, PERMISSION_DENIED, ...) is kept in ``error`` and stops the thread, since
-    the job's slots may already belong to someone else.
+    the job's slots may already belong to someone else; ``on_error(error)`` is then called (from
+    the heartbeat thread) so that the call in progress can end with the reason at once (a
+    teardown, a reap) instead of waiting for its timeout.
     """
 
-    def __init__(self, service: str, secret: str, assignment: Assignment, interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        service: str,
+        secret: str,
+        assignment: Assignment,
+        interval: float = 2.0,
+        on_error: Callable[[JobServiceError], None] | None = None,
+    ) -> None:
         if not interval > 0 or math.isinf(interval):
             raise ValueError(f"the heartbeat interval must be positive and finite, not {interval}")
         self.service, self.secret, self.assignment, self.interval = service, secret, assignment, interval
         self.error: JobServiceError | None = None
+        self.on_error = on_error
         self.retrying: JobServiceError | None = None
         self.failures = 0
         self.generation = assignment.generation
@@ -224,6 +235,8 @@ class Heartbeat:
             except JobServiceError as e:
                 if not is_transient(e):
                     self.error = e
+                    if self.on_error is not None:
+                        self.on_error(e)
                     return
                 self.retrying, self.failures = e, self.failures + 1
                 backoff = min(backoff_cap, min(self.interval, 0.1) * 2.0**retries)
@@ -253,9 +266,16 @@ class Heartbeat:
 class Membership:
     """A worker's place in a job: heartbeats while it lasts, leaves the job at end()."""
 
-    def __init__(self, service: str, secret: str, assignment: Assignment, interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        service: str,
+        secret: str,
+        assignment: Assignment,
+        interval: float = 2.0,
+        on_error: Callable[[JobServiceError], None] | None = None,
+    ) -> None:
         self.service, self.secret, self.assignment = service, secret, assignment
-        self.heartbeat = Heartbeat(service, secret, assignment, interval)
+        self.heartbeat = Heartbeat(service, secret, assignment, interval, on_error)
 
     def start(self) -> Membership:
         self.heartbeat.start()

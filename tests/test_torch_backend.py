@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -12,16 +13,38 @@ import pytest
 
 pytest.importorskip("torch")
 
+from switchagg_lab.testing.kit import free_port  # noqa: E402
 from tests.torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
+
+
+def consecutive_tcp_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are free for TCP now."""
+    for _ in range(100):
+        base = free_port(socket.SOCK_STREAM)
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free TCP ports")
 
 
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     n = 3
     out = tmp_path_factory.mktemp("collectives")
-    for rank, (code, err) in enumerate(finish(launch("collectives", n, out))):
+    # SWITCHAGG_DEBUG=INFO: where each kind of call ran goes to stderr (test_debug_log_says_where).
+    # SWITCHAGG_METRICS_PORT: each rank serves its worker metrics on base + LOCAL_RANK.
+    env = {"SWITCHAGG_DEBUG": "INFO", "SWITCHAGG_METRICS_PORT": str(consecutive_tcp_ports(n))}
+    for rank, (code, err) in enumerate(finish(launch("collectives", n, out, **env))):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return [read(out, r) for r in range(n)]
+        (out / f"log{rank}.txt").write_text(err)
+    return [read(out, r) | {"log": (out / f"log{r}.txt").read_text()} for r in range(n)]
 
 
 def test_is_the_switchagg_group(collectives: list[dict[str, Any]]) -> None:
@@ -47,6 +70,65 @@ def test_sums_go_through_the_network(collectives: list[dict[str, Any]]) -> None:
         assert r["list_ok"] and r["async_ok"]
         assert r["pinned"], "the embedded aggregator took a foreign packet for a rank"
         assert r["network_allreduces"] == 3  # int32, float32, one coalesced list
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_sum_and_avg_within_the_dtype_bound(collectives: list[dict[str, Any]], dtype: str, op: str) -> None:
+    """In the network, against the float64 sum (mean) of the ranks' inputs: within
+    precision.error_bound for the dtype (docs/TORCH.md, Precision); gloo's error is in the report."""
+    for r in collectives:
+        case = r["precision"][f"{dtype}_{op}"]
+        assert case["worst_over_bound"] <= 1.0, case
+        print(f"{dtype} {op}: max |err| {case['max_err']:.3g} (gloo {case['gloo_max_err']:.3g})")
+
+
+def test_avg_and_half_precision_go_through_the_network(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["bf16_list_avg_ok"]
+        assert r["precision_network_calls"] == 7  # 3 dtypes x SUM/AVG, and a bfloat16 list
+
+
+def test_stats_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        network, delegated = r["stats"]["network"], r["stats"]["delegated"]
+        assert network["allreduce"] >= 12 and network["allreduce_coalesced"] == 1
+        # MAX and float64 allreduces, and every other collective, ran on gloo and were counted.
+        assert delegated["allreduce"] >= 2
+        assert delegated["broadcast"] >= 1 and delegated["allgather"] >= 1 and delegated["barrier"] >= 1
+
+
+def test_metrics_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) -> None:
+    pytest.importorskip("prometheus_client")
+    for rank, r in enumerate(collectives):
+        world = [
+            line for line in r["metrics"] if 'switchagg_job="torch-127.0.0.1-' in line and '-g1"' in line
+        ]
+        network = [line for line in world if 'op="allreduce"' in line and 'path="network"' in line]
+        assert len(network) == 1 and f'rank="{rank}"' in network[0], r["metrics"]
+        assert float(network[0].rsplit(" ", 1)[1]) == r["stats"]["network"]["allreduce"]
+        assert any('op="broadcast"' in line and 'path="delegated"' in line for line in world)
+
+
+def test_debug_log_says_where(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        log = r["log"]
+        assert "allreduce float32 on cpu runs in the network" in log
+        assert "allreduce bfloat16 on cpu runs in the network" in log
+        assert "allreduce float64 on cpu runs on gloo (dtype float64)" in log
+        assert "allreduce int32 on cpu runs on gloo (op MAX)" in log
+        assert "broadcast float32 on cpu runs on gloo" in log
+        # the first call of each kind per group only (the world group g1 made many)
+        lines = log.splitlines()
+        assert sum("g1" in line and "float32 on cpu runs in the network" in line for line in lines) == 1
+
+
+def test_hook_fallback_is_counted_and_warned_once(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
+        assert r["hook_stats"]["network"]["allreduce"] >= 3 and not r["hook_stats"]["delegated"]
+        assert r["fallback_stats"]["delegated"]["allreduce"] >= 3 and not r["fallback_stats"]["network"]
+        assert len(r["fallback_warnings"]) == 1, r["fallback_warnings"]
+        assert "float64" in r["fallback_warnings"][0]
 
 
 def test_other_ops_and_dtypes_are_delegated(collectives: list[dict[str, Any]]) -> None:
@@ -162,9 +244,11 @@ class RefusingExchange:
 
 
 def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
+    """The group's timeout is 30 minutes; the peer watch reports the killed rank by its number within
+    SWITCHAGG_TIMEOUT plus a heartbeat interval (docs/TORCH.md) instead."""
     n = 3
     timeout = 2.0
-    procs = launch("killed_peer", n, tmp_path, SWITCHAGG_TIMEOUT=str(timeout))
+    procs = launch("killed_peer", n, tmp_path, SWITCHAGG_TIMEOUT=str(timeout), PG_TIMEOUT="1800")
     deadline = time.monotonic() + HANG_GUARD
     while not all((tmp_path / f"ready{r}").exists() for r in range(n)):
         if time.monotonic() > deadline or any(w.proc.poll() is not None for w in procs):
@@ -186,6 +270,8 @@ def test_killed_peer_raises_instead_of_hanging(tmp_path: Path) -> None:
         assert r["error"] == "SwitchaggTimeout", r
         assert r["is_switchagg_error"]
         assert r["seconds"] >= timeout * 0.5  # it waited for the peer rather than failing at once
+        assert f"rank {n - 1} is gone" in r["message"], r["message"]  # the watch, not the 30 min timeout
+        print(f"rank {rank}: the killed rank reported after {r['seconds']:.1f} s: {r['message']}")
         # A DDP step afterwards raises in backward() (it used to crash the process in C++).
         assert r["ddp_error"] == "RuntimeError" and "switchagg" in r["ddp_message"].lower(), r
 
@@ -201,3 +287,29 @@ def test_mismatched_calls_fail_on_every_rank(tmp_path: Path, dtype: str) -> None
         r = read(tmp_path, rank)
         assert r["error"] is not None and r["is_switchagg_error"], r
         assert "100000" in r["message"] and "200000" in r["message"], r["message"]
+
+
+def test_paused_peer_is_waited_for(tmp_path: Path) -> None:
+    """init_process_group(timeout=5 min): a rank that pauses 15 s (more than SWITCHAGG_TIMEOUT's
+    default 10 s) before an allreduce, then 12 s before a DDP backward with the hook, is waited for."""
+    n = 3
+    env = {"PAUSE": "15", "HOOK_PAUSE": "12", "PG_TIMEOUT": "300"}
+    for rank, (code, err) in enumerate(finish(launch("paused_peer", n, tmp_path, **env))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    for rank in range(n):
+        r = read(tmp_path, rank)
+        assert r["backend"]["error"] is None and r["backend"]["ok"], r
+        assert r["hook"]["error"] is None and r["hook"]["network"] >= 1, r
+        if rank < n - 1:  # they waited out the pause in the network
+            assert r["backend"]["seconds"] >= 10 and r["hook"]["seconds"] >= 10, r
+
+
+def test_live_peer_slower_than_the_group_timeout_fails_after_it(tmp_path: Path) -> None:
+    """timeout=4 s and a pause of 10 s: the waiting ranks fail after the group's 4 s (no progress),
+    with the group's timeout in the message, although the paused rank is alive."""
+    n = 2
+    env = {"PAUSE": "10", "PG_TIMEOUT": "4", "SWITCHAGG_TIMEOUT": "30"}
+    finish(launch("paused_peer", n, tmp_path, **env))
+    r = read(tmp_path, 0)
+    assert r["backend"]["error"] == "SwitchaggTimeout", r
+    assert "for 4.0 s" in r["backend"]["message"], r

@@ -16,7 +16,9 @@ import signal
 import socket
 import sys
 import time
+import warnings
 import weakref
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import switchagg
 import switchagg.torch as satorch
 from switchagg import protocol
+from switchagg.torch import precision
 
 K = protocol.DEFAULT_SW_K
 CAP_MB = 0.25  # DDP bucket cap: two buckets from the second backward on, two works in flight
@@ -117,6 +120,68 @@ def check_pinned(pg: Any, rank: int) -> dict[str, Any]:
     while plane.aggregator.counters()["drops"]["spoofed"] == before and time.monotonic() < deadline:
         time.sleep(0.01)
     return {"pinned": plane.aggregator.counters()["drops"]["spoofed"] == before + 1}
+
+
+def block_exponents(inputs: list[torch.Tensor]) -> np.ndarray:
+    """Per element, the exponent field of its block of K: the largest over every rank's input."""
+    peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
+    size = peak.size
+    blocks = math.ceil(size / K)
+    padded = np.zeros(blocks * K, np.float32)
+    padded[:size] = peak
+    return np.repeat(np.frexp(padded.reshape(blocks, K).max(axis=1))[1], K)[:size]
+
+
+def precision_case(
+    pg: Any, rank: int, n: int, dtype: torch.dtype, average: bool, seed: int
+) -> dict[str, Any]:
+    """One network allreduce of `dtype` against the float64 sum (or mean) and gloo's: the worst error
+    over the documented bound (precision.error_bound), and gloo's own worst error, for the report."""
+    size = 3 * K + 17
+    scale = 1 / 16 if dtype == torch.float16 else 1.0  # float16 tops out at 65504
+    inputs = [(rank_input(r, size, torch.float32, seed) * scale).to(dtype) for r in range(n)]
+    exact = torch.stack([x.double() for x in inputs]).sum(0).numpy()
+    if average:
+        exact = exact / n
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    mine, theirs = inputs[rank].clone(), inputs[rank].clone()
+    dist.all_reduce(mine, op=op)
+    pg.gloo.allreduce([theirs], _avg_opts() if average else dist.AllreduceOptions()).wait()
+    bound = precision.error_bound(dtype, n, block_exponents(inputs), exact, average)
+    err = np.abs(mine.double().numpy() - exact)
+    gloo_err = np.abs(theirs.double().numpy() - exact)
+    return {
+        "worst_over_bound": float(np.max(err / bound)),
+        "max_err": float(err.max()),
+        "gloo_max_err": float(gloo_err.max()),
+    }
+
+
+def _avg_opts() -> Any:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]  # c10d converts the RedOpType
+    return opts
+
+
+def check_precision(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    """SUM and AVG of float32, bfloat16 and float16 in the network, and a bfloat16 list coalesced."""
+    before = pg.stats()["network"].get("allreduce", 0)
+    cases = {}
+    for i, (dtype, average) in enumerate(
+        [(d, a) for d in (torch.float32, torch.bfloat16, torch.float16) for a in (False, True)]
+    ):
+        name = f"{str(dtype).removeprefix('torch.')}_{'avg' if average else 'sum'}"
+        cases[name] = precision_case(pg, rank, n, dtype, average, 10 + i)
+    a = torch.full((4, 3), float(rank + 1), dtype=torch.bfloat16).t()
+    b = torch.full((5,), float(10 * (rank + 1)), dtype=torch.bfloat16)
+    pg.allreduce([a, b], _avg_opts()).wait()
+    mean = (n + 1) / 2
+    return {
+        "precision": cases,
+        "bf16_list_avg_ok": bool(torch.equal(a, torch.full((3, 4), mean, dtype=torch.bfloat16)))
+        and bool(torch.equal(b, torch.full((5,), 10 * mean, dtype=torch.bfloat16))),
+        "precision_network_calls": pg.stats()["network"].get("allreduce", 0) - before,
+    }
 
 
 def check_more_groups(pg: Any, rank: int, n: int) -> dict[str, Any]:
@@ -221,6 +286,17 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     def max_diff(gs: list[torch.Tensor]) -> float:
         return max((a - b).abs().max().item() for a, b in zip(gs, reference, strict=True))
 
+    # float64 gradients fall back to gloo: counted, and warned about once however many buckets.
+    fallback = satorch.SwitchaggHookState(gloo_group)
+    doubled = DDP(make_model().double(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
+    doubled.register_comm_hook(fallback, satorch.allreduce_hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads(doubled, x.double())
+    fallback_stats = fallback.stats()
+    fallback.close()
+    hook_stats = state.stats()
+
     return {
         "ddp_backend_max_diff": max_diff(backend),
         "ddp_hook_max_diff": max_diff(hooked_grads),
@@ -229,24 +305,44 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
         "ddp_hook_network_allreduces": hook_calls,
         "ddp_grads_nonzero": bool(max(g.abs().max().item() for g in reference) > 0),
         "hook_state_freed_after_close": spare_ref() is None,
+        "hook_stats": hook_stats,
+        "fallback_stats": fallback_stats,
+        "fallback_warnings": [str(w.message) for w in caught if "fall back" in str(w.message)],
     }
+
+
+def scrape_torch_calls(pg: Any) -> list[str]:
+    """The switchagg_torch_calls_total lines of this process's worker metrics (SWITCHAGG_METRICS_PORT)."""
+    import urllib.request
+
+    address = pg.data_plane.session.metrics_address
+    if address is None:
+        return []
+    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=30) as page:
+        text = page.read().decode()
+    return [line for line in text.splitlines() if line.startswith("switchagg_torch_calls_total")]
 
 
 def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
     dist.init_process_group("switchagg")
-    pg = dist.group.WORLD
-    result = {"type": type(pg).__name__}
+    pg: Any = dist.group.WORLD
+    result: dict[str, Any] = {"type": type(pg).__name__}
     result.update(check_sums(pg, rank, n))
+    result.update(check_precision(pg, rank, n))
     result.update(check_delegated(pg, rank, n))
     result.update(check_more_groups(pg, rank, n))
     result.update(check_ddp(pg, rank, n))
+    result["stats"] = pg.stats()
+    result["metrics"] = scrape_torch_calls(pg)
     dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
-    """The last rank parks after one allreduce; the test SIGKILLs it, then the others try again."""
-    dist.init_process_group("switchagg")
+    """The last rank parks after one allreduce; the test SIGKILLs it, then the others try again.
+    The group's timeout is long (PG_TIMEOUT s): the peer watch must report the dead rank first."""
+    timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "1800")))
+    dist.init_process_group("switchagg", timeout=timeout)
     ddp = DDP(make_model(), bucket_cap_mb=CAP_MB)  # built while every rank lives (it broadcasts)
     t = torch.ones(K + 5)
     dist.all_reduce(t)
@@ -279,6 +375,55 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
         result["ddp_error"] = type(e).__name__
         result["ddp_message"] = str(e)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def timed_allreduce(t: torch.Tensor, group: Any = None) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t, group=group)
+        out: dict[str, Any] = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def scenario_paused_peer(rank: int, n: int, out_dir: Path) -> None:
+    """init_process_group(timeout=PG_TIMEOUT s): the last rank pauses PAUSE s (an evaluation, a
+    checkpoint) before an allreduce of the backend, then before a DDP backward with the hook; the
+    others wait in the network meanwhile. With a pause under the group's timeout every call completes;
+    over it, the waiting ranks fail after the group's timeout, not SWITCHAGG_TIMEOUT."""
+    pause = float(os.environ["PAUSE"])
+    dist.init_process_group("switchagg", timeout=timedelta(seconds=float(os.environ["PG_TIMEOUT"])))
+    pg: Any = dist.group.WORLD
+    result: dict[str, Any] = {}
+    t = torch.ones(K + 5)
+    dist.all_reduce(t)  # every rank is up
+    if rank == n - 1:
+        time.sleep(pause)
+    t = torch.full((2 * K + 3,), float(rank))
+    result["backend"] = timed_allreduce(t)
+    result["backend"]["ok"] = bool(torch.equal(t, torch.full((2 * K + 3,), float(n * (n - 1) // 2))))
+    if os.environ.get("HOOK_PAUSE"):
+        gloo_group = dist.new_group(backend="gloo")
+        state = satorch.SwitchaggHookState(gloo_group)
+        ddp = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
+        ddp.register_comm_hook(state, satorch.allreduce_hook)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+        if rank == n - 1:
+            time.sleep(float(os.environ["HOOK_PAUSE"]))
+        start = time.monotonic()
+        try:
+            ddp(x).pow(2).sum().backward()
+            result["hook"] = {"error": None}
+        except Exception as e:
+            result["hook"] = {"error": type(e).__name__, "message": str(e)}
+        result["hook"]["seconds"] = time.monotonic() - start
+        result["hook"]["network"] = state.stats()["network"].get("allreduce", 0)
+    result["stats"] = pg.stats()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if result["backend"]["error"] is None:
+        dist.barrier()
 
 
 def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
@@ -499,6 +644,7 @@ SCENARIOS = {
     "bad_aggregator": scenario_bad_aggregator,
     "collectives": scenario_collectives,
     "killed_peer": scenario_killed_peer,
+    "paused_peer": scenario_paused_peer,
     "job_service": scenario_job_service,
 }
 

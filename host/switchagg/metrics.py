@@ -258,6 +258,15 @@ def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
             labels,
             st.get("allreduces", 0),
         )
+        calls = getattr(s, "torch_calls", None)  # switchagg.torch's CallLog, on a torch group's session
+        for (op, path), value in (calls.series() if calls is not None else {}).items():
+            c.counter(
+                "switchagg_torch_calls",
+                "torch.distributed calls of the group, per op, run in the network or delegated to gloo",
+                (*WORKER_LABELS, "op", "path"),
+                (*labels, op, path),
+                value,
+            )
     return c.families()
 
 

@@ -4,8 +4,10 @@ Importing this package registers the backend, so ``init_process_group("switchagg
 """
 
 from switchagg.torch.backend import BACKEND_NAME, ProcessGroupSwitchagg, register
+from switchagg.torch.calls import configure_from_env
 from switchagg.torch.hook import SwitchaggHookState, allreduce_hook
 
+configure_from_env()  # SWITCHAGG_DEBUG
 register()
 
 __all__ = ["BACKEND_NAME", "ProcessGroupSwitchagg", "SwitchaggHookState", "allreduce_hook", "register"]

@@ -1,34 +1,65 @@
-"""The "switchagg" c10d backend: SUM allreduce of float32/int32 CPU tensors in the network,
-everything else on an inner gloo group built on the same store."""
+"""The "switchagg" c10d backend: SUM and AVG allreduces of float32/int32/bfloat16/float16 tensors, on
+the CPU or CUDA, in the network; everything else on an inner gloo group built on the same store."""
 
 from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from switchagg.torch.dataplane import DataPlane, open_data_plane
+from switchagg.torch.calls import DELEGATED as ON_GLOO
+from switchagg.torch.calls import NETWORK, CallLog, first_tensor
+from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
+from switchagg.torch.liveness import PeerWatch
+from switchagg.torch.stager import Stager, chunk_elements
 from switchagg.torch.work import FutureWork, completed_work
 
 BACKEND_NAME = "switchagg"
 EXCHANGE_PREFIX = "switchagg/exchange"
 # How long rank 0 waits for the others to see a failed start-up before it tears down.
 SETTLE_TIMEOUT = timedelta(seconds=30)
-SUPPORTED_DTYPES = (torch.float32, torch.int32)
+# What the network sums (docs/TORCH.md): int32 exactly, float32 within protocol.error_bound, and
+# bfloat16/float16 as float32 (exact in it) rounded back; AVG is the sum divided by the group's size.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (*FLOAT_DTYPES, torch.int32)
+DEVICES = ("cpu", "cuda")
 
 
-def network_reducible(tensors: list[torch.Tensor], op: Any) -> bool:
-    """Whether switchagg can sum these: SUM of dense CPU float32/int32 tensors of one dtype."""
-    if op != dist.ReduceOp.SUM or not tensors:
-        return False
-    dtype = tensors[0].dtype
-    return dtype in SUPPORTED_DTYPES and all(
-        t.dtype == dtype and t.device.type == "cpu" and t.layout == torch.strided for t in tensors
-    )
+def network_reducible(tensors: list[torch.Tensor], op: Any) -> str:
+    """Why switchagg cannot sum these in the network, or "" if it can: SUM or AVG of dense CPU or
+    CUDA tensors of one supported dtype on one device (AVG of floating dtypes only)."""
+    if not tensors:
+        return "no tensors"
+    # op == X, not op in (...): a RedOpType compared with a ReduceOp object says False
+    if not (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG):
+        return f"op {_op_name(op)}"
+    first = tensors[0]
+    if first.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {_dtype_name(first.dtype)}"
+    if op == dist.ReduceOp.AVG and first.dtype not in FLOAT_DTYPES:
+        return f"AVG of {_dtype_name(first.dtype)}"
+    if first.device.type not in DEVICES:
+        return f"device {first.device.type}"
+    for t in tensors:
+        if t.layout != torch.strided:
+            return f"layout {t.layout}"
+        if t.dtype != first.dtype or t.device != first.device:
+            return "mixed dtypes or devices"
+    return ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _op_name(op: Any) -> str:
+    op = getattr(op, "op", op)  # a ReduceOp object holds its RedOpType
+    return str(getattr(op, "name", op))
 
 
 # Every collective the inner gloo backend has, called on it from Python. They must not fall through
@@ -58,6 +89,7 @@ DELEGATED = (
 
 def _delegate(name: str) -> Any:
     def collective(self: ProcessGroupSwitchagg, *args: Any, **kwargs: Any) -> Any:
+        self.calls.record(name, ON_GLOO, first_tensor(args), "not an allreduce")
         return getattr(self._gloo, name)(*args, **kwargs)
 
     collective.__name__ = name
@@ -66,10 +98,14 @@ def _delegate(name: str) -> Any:
 
 
 class ProcessGroupSwitchagg(dist.ProcessGroup):
-    """A Python ProcessGroup: SUM allreduces of float32/int32 go to the network, every other
-    collective explicitly to an inner gloo backend (DELEGATED), so DDP's broadcasts, barriers
-    and allgathers work unchanged. gloo is also registered as the group's CPU backend, for the
-    c10d helpers that ask a group for its backend (sequence numbers, object collectives).
+    """A Python ProcessGroup: SUM/AVG allreduces of float32/int32/bfloat16/float16 go to the network,
+    every other collective explicitly to an inner gloo backend (DELEGATED), so DDP's broadcasts,
+    barriers and allgathers work unchanged. gloo is also registered as the group's CPU backend, for
+    the c10d helpers that ask a group for its backend (sequence numbers, object collectives).
+
+    A network call waits for a slow live peer up to the group's ``timeout`` (init_process_group's);
+    a peer that is gone (its heartbeat in the store stopped for SWITCHAGG_TIMEOUT seconds) fails it
+    sooner, naming the rank (liveness.PeerWatch).
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str) -> None:
@@ -80,8 +116,20 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._lock = threading.Lock()
+        self.timeout = timeout
+        self.calls = CallLog(f"switchagg group {group_tag} (rank {rank} of {size})")
+        self._watch = PeerWatch(store, rank, size, session_timeout(), self._peer_gone)
         exchange = StoreExchange(store, rank, size)
-        self._plane: DataPlane | None = open_data_plane(rank, size, exchange, group_tag)
+        try:
+            self._plane: DataPlane | None = open_data_plane(
+                rank, size, exchange, group_tag, call_timeout=timeout.total_seconds()
+            )
+        except BaseException:
+            self._watch.close()
+            raise
+        self._plane.session.torch_calls = self.calls
+        self._stager = Stager(self._plane.session.allreduce_async, chunk_elements(self._plane.session.k))
+        self._watch.start()
         atexit.register(self.close)
 
     def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
@@ -100,11 +148,21 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
             raise RuntimeError("the switchagg process group is closed")
         return self._plane
 
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Calls per op: ``{"network": {"allreduce": 12}, "delegated": {"broadcast": 1, ...}}``."""
+        return self.calls.stats()
+
+    def _peer_gone(self, reason: str) -> None:
+        plane = self._plane
+        if plane is not None:
+            plane.session.cancel(reason)
+
     def close(self) -> None:
         atexit.unregister(self.close)  # a closed group is not kept alive until exit
         with self._lock:
             plane, self._plane = self._plane, None
         if plane is not None:
+            self._watch.close()
             plane.close()
 
     def allreduce(self, tensors: Any, opts: Any = None, timeout: timedelta | None = None) -> dist.Work:
@@ -114,36 +172,58 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
             opts = dist.AllreduceOptions()
         elif not isinstance(opts, dist.AllreduceOptions):  # the allreduce(tensors, op) form
             opts = _options(opts)
-        if not network_reducible(tensors, opts.reduceOp):
-            return self._gloo.allreduce(tensors, opts)
-        return self._network_sum(tensors)
+        op = opts.reduceOp
+        return self._allreduce("allreduce", tensors, op, lambda: self._gloo.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
-        if not network_reducible(tensors, opts.reduceOp):
-            return self._gloo.allreduce_coalesced(tensors, opts)
-        return self._network_sum(tensors)
+        return self._allreduce(
+            "allreduce_coalesced",
+            tensors,
+            opts.reduceOp,
+            lambda: self._gloo.allreduce_coalesced(tensors, opts),
+        )
 
-    def _network_sum(self, tensors: list[torch.Tensor]) -> dist.Work:
-        """One network allreduce over all tensors (flattened into one buffer when there are several)."""
+    def _allreduce(
+        self, name: str, tensors: list[torch.Tensor], op: Any, on_gloo: Callable[[], dist.Work]
+    ) -> dist.Work:
+        why = network_reducible(tensors, op)
+        if why:
+            self.calls.record(name, ON_GLOO, first_tensor(tensors), why)
+            return on_gloo()
+        self.calls.record(name, NETWORK, tensors[0])
+        return self._network_sum(tensors, self.size() if op == dist.ReduceOp.AVG else 1)
+
+    def _network_sum(self, tensors: list[torch.Tensor], divide_by: int = 1) -> dist.Work:
+        """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
+        tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by chunk)."""
         session = self.data_plane.session
-        if len(tensors) == 1 and tensors[0].is_contiguous():
-            pending = session.allreduce_async(tensors[0])
-            return FutureWork(pending, lambda: tensors)
+        cuda = tensors[0].device.type == "cuda"
+        devices: list[int | str | torch.device] | None = [tensors[0].device] if cuda else None
         if sum(t.numel() for t in tensors) == 0:
-            return completed_work(tensors)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+            return completed_work(tensors, devices)
+        t = tensors[0]
+        if len(tensors) == 1 and t.device.type == "cpu" and t.dtype in DIRECT and t.is_contiguous():
+            pending = session.allreduce_async(t)
 
-        def scatter_back() -> list[torch.Tensor]:
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
-            return tensors
+            def finish() -> list[torch.Tensor]:
+                if divide_by != 1:
+                    t.div_(divide_by)
+                return tensors
 
-        return FutureWork(session.allreduce_async(flat), scatter_back)
+        else:
+            pending = self._stager.run(tensors, divide_by)
+
+            def finish() -> list[torch.Tensor]:
+                return tensors
+
+        self._watch.track(pending)
+        return FutureWork(pending, finish, devices)
+
+
+# Summed where they are, without a copy.
+DIRECT = (torch.float32, torch.int32)
 
 
 for _name in DELEGATED:
@@ -214,4 +294,4 @@ def _next_group_tag() -> int:
 def register() -> None:
     """Make "switchagg" a c10d backend name (idempotent)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICES))

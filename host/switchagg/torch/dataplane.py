@@ -87,6 +87,8 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
 
 
 def session_timeout() -> float:
+    """SWITCHAGG_TIMEOUT: seconds without a heartbeat before a peer counts as gone (and, where no
+    process group says otherwise, seconds without progress before a call fails)."""
     return _env_float("SWITCHAGG_TIMEOUT", 10.0)
 
 
@@ -142,7 +144,9 @@ def _published(text: str, what: str) -> str:
     return text
 
 
-def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: float) -> DataPlane:
+def _open_embedded(
+    rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str
+) -> DataPlane:
     """Rank 0 runs the aggregator; the job is installed only once every rank's address is known, so
     that the aggregator accepts each rank from its own socket alone (docs/PROTOCOL.md, Security)."""
     from switchagg.session import Session
@@ -180,6 +184,7 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
                 bind=_worker_bind(address[0]),
                 key=key,
             )
+            session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
             mine = "{}:{}".format(*session.local_address)
         except Exception as e:
             mine = f"{FAILED_MARK}rank {rank}: {e!r}"
@@ -209,14 +214,19 @@ def _open_embedded(rank: int, world_size: int, exchange: Exchange, timeout: floa
     return DataPlane(session, aggregator)
 
 
-def open_data_plane(rank: int, world_size: int, exchange: Exchange, group_tag: str) -> DataPlane:
-    """Open this rank's data plane; collective: every rank of the group must call it."""
+def open_data_plane(
+    rank: int, world_size: int, exchange: Exchange, group_tag: str, call_timeout: float | None = None
+) -> DataPlane:
+    """Open this rank's data plane; collective: every rank of the group must call it. ``call_timeout``:
+    seconds without progress before a call fails (the process group's timeout; default SWITCHAGG_TIMEOUT)."""
     from switchagg.session import Session
 
-    timeout = session_timeout()
+    gone_after = session_timeout()  # checks the variable before anything is exchanged
+    # The C worker takes finite timeouts below 1e9 s; a longer process group timeout means "wait".
+    timeout = min(call_timeout, 1e8) if call_timeout is not None and call_timeout > 0 else gone_after
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
     if not service:
-        return _open_embedded(rank, world_size, exchange, timeout)
+        return _open_embedded(rank, world_size, exchange, timeout, group_tag)
     service_host = "" if service.startswith("unix:") else parse_host_port(service, "SWITCHAGG_JOB_SERVICE")[0]
     name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
     bind = _worker_bind(service_host)

@@ -21,6 +21,7 @@ class FutureWork(dist.Work):
         self,
         pending: concurrent.futures.Future[None],
         finish: Callable[[], list[torch.Tensor]],
+        devices: list[int | str | torch.device] | None = None,
     ) -> None:
         super().__init__()
         self._pending = pending
@@ -30,7 +31,8 @@ class FutureWork(dist.Work):
         # C++ readers (DDP's reducer) must see a failure as the future's error. A Python
         # set_exception() stores the exception object as the *value*, which the reducer then
         # takes for tensors and crashes on; an exception raised in a then() callback is a real one.
-        self._done: torch.futures.Future[None] = torch.futures.Future()
+        # ``devices``: the CUDA devices of the tensors it resolves to (a torch future refuses others).
+        self._done: torch.futures.Future[None] = torch.futures.Future(devices=devices)
         self._torch_future: torch.futures.Future[list[torch.Tensor]] = self._done.then(self._unwrap)
         pending.add_done_callback(self._complete)
 
@@ -64,8 +66,10 @@ class FutureWork(dist.Work):
         return self._torch_future
 
 
-def completed_work(value: list[torch.Tensor]) -> FutureWork:
+def completed_work(
+    value: list[torch.Tensor], devices: list[int | str | torch.device] | None = None
+) -> FutureWork:
     """A Work that is already done (nothing to send, e.g. an empty tensor list)."""
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
     done.set_result(None)
-    return FutureWork(done, lambda: value)
+    return FutureWork(done, lambda: value, devices)

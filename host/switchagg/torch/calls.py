@@ -1,0 +1,96 @@
+"""Where each collective ran: counters per op and path (network or delegated to gloo) and the log.
+
+``SWITCHAGG_DEBUG=INFO`` (or the logging module: logger ``switchagg.torch``) logs the first call of
+each (op, dtype, device, path) of a group, with the reason when it was delegated; ``DEBUG`` logs
+every call; ``WARN`` (the default) only what needs attention, such as DDP gradients that fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+
+log = logging.getLogger("switchagg.torch")
+
+NETWORK = "network"
+DELEGATED = "delegated"
+PATHS = (NETWORK, DELEGATED)
+_LEVELS = {"WARN": logging.WARNING, "WARNING": logging.WARNING, "INFO": logging.INFO, "DEBUG": logging.DEBUG}
+
+
+def configure_from_env() -> None:
+    """SWITCHAGG_DEBUG=WARN|INFO|DEBUG: the logger's level, and a stderr handler if it has none."""
+    raw = os.environ.get("SWITCHAGG_DEBUG", "").strip().upper()
+    if not raw:
+        return
+    level = _LEVELS.get(raw)
+    if level is None:
+        raise ValueError(f"SWITCHAGG_DEBUG={raw!r} is not one of WARN, INFO, DEBUG")
+    log.setLevel(level)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        rank = os.environ.get("RANK", "?")
+        handler.setFormatter(logging.Formatter(f"[switchagg rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+def first_tensor(args: Any) -> torch.Tensor | None:
+    """The first tensor among a collective's arguments (lists of tensors, one level or two, included)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, list | tuple):
+            found = first_tensor(a)
+            if found is not None:
+                return found
+    return None
+
+
+def describe(t: torch.Tensor | None) -> tuple[str, str]:
+    if t is None:
+        return "-", "-"
+    return str(t.dtype).removeprefix("torch."), t.device.type
+
+
+class CallLog:
+    """One group's counters of calls per op and path; the first call of each kind logged at INFO."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.counts: dict[str, Counter[str]] = {p: Counter() for p in PATHS}
+        self._seen: set[tuple[str, str, str, str]] = set()
+        self._lock = threading.Lock()
+
+    def record(self, op: str, path: str, tensor: torch.Tensor | None, why: str = "") -> bool:
+        """Counts the call; True the first time this (op, dtype, device, path) is seen."""
+        dtype, device = describe(tensor)
+        key = (op, dtype, device, path)
+        with self._lock:
+            self.counts[path][op] += 1
+            first = key not in self._seen
+            self._seen.add(key)
+        if first and log.isEnabledFor(logging.INFO):
+            because = f" ({why})" if why else ""
+            log.info("%s: %s %s on %s runs %s%s", self.group, op, dtype, device, _where(path), because)
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s %s on %s: %s", self.group, op, dtype, device, path)
+        return first
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {p: dict(c) for p, c in self.counts.items()}
+
+    def series(self) -> dict[tuple[str, str], int]:
+        """(op, path) -> calls: the metrics' samples (switchagg_torch_calls_total)."""
+        with self._lock:
+            return {(op, p): n for p, c in self.counts.items() for op, n in c.items()}
+
+
+def _where(path: str) -> str:
+    return "in the network" if path == NETWORK else "on gloo"

@@ -41,6 +41,7 @@ class ControllerConfig:
     listen: str = "127.0.0.1:50051"
     topology: str | None = None  # P4 switches (and software spines), YAML
     two_level: str | None = None  # software leaves and spine, YAML
+    reducers: str | None = None  # the reducer pool striped jobs run on, YAML
     software: bool = False  # an embedded software aggregator
     fallback: bool = False  # the embedded software aggregator beside the switches
     software_listen: str = f"127.0.0.1:{protocol.UDP_PORT}"
@@ -57,10 +58,10 @@ class ControllerConfig:
     metrics_host: str = "127.0.0.1"
 
     def check(self) -> None:
-        if not self.software and not self.topology and not self.two_level:
+        if not self.software and not self.topology and not self.two_level and not self.reducers:
             raise ConfigError(
-                "serve needs --topology (the P4 switch), --two-level (software leaves and spine) "
-                "or --software (an embedded software aggregator)"
+                "serve needs --topology (the P4 switch), --two-level (software leaves and spine), "
+                "--reducers (a reducer pool for striped jobs) or --software (an embedded software aggregator)"
             )
 
 
@@ -99,6 +100,7 @@ class Controller:
         self.nodes: list[AggregatorHandle] = []  # the software aggregators opened here (to close)
         self.node_supervisors: list[NodeSupervisor] = []  # watch the remote ones
         self.two_level_nodes: list[AggregatorHandle] = []
+        self.reducer_nodes: list[AggregatorHandle] = []
         self.max_counter_index = 0
         self.store: Store | None = None
         self.server: grpc.aio.Server | None = None
@@ -183,6 +185,28 @@ class Controller:
 
         self.node_supervisors.append(NodeSupervisor(NodeWatch(nodes), on_node_restart))
 
+    def _build_reducers(self, path: str) -> None:
+        from switchagg_controller.reducers import StripedDataPlane, load_reducers
+        from switchagg_controller.software_nodes import NodeSupervisor, NodeWatch, open_all
+
+        specs = load_reducers(path)
+        nodes, unreachable = open_all([(f"reducer {s.name}", s.listen, s.remote) for s in specs])
+        self.nodes += nodes
+        self.reducer_nodes = nodes
+        for warning in unreachable:
+            _warn(warning)
+        plane = StripedDataPlane(specs, nodes, k=self.config.sw_k, default_slots=self.config.sw_slots)
+        self.planes.append(plane)
+
+        async def on_node_restart(node: int) -> None:  # a remote reducer restarted or is back: its shards
+            if self.manager is not None:
+                jobs = self.manager.jobs(plane.name)  # read on the loop; the node's calls block
+                installed, removed = await asyncio.to_thread(plane.reconcile, node, jobs)
+                name = specs[node].name
+                _say(f"reducer {name} reconciled: {installed} shard(s) installed, {removed} removed")
+
+        self.node_supervisors.append(NodeSupervisor(NodeWatch(nodes), on_node_restart))
+
     def _build_software(self) -> None:
         from switchagg.aggregator import SoftwareAggregator
         from switchagg_controller.planes import SoftwareDataPlane
@@ -232,6 +256,8 @@ class Controller:
         if self.two_level_nodes:
             spine, *leaves = (f"{a.address[0]}:{a.address[1]}" for a in self.two_level_nodes)
             agg += f" two-level spine {spine} leaves {','.join(leaves)}"
+        if self.reducer_nodes:
+            agg += " reducers " + ",".join(f"{a.address[0]}:{a.address[1]}" for a in self.reducer_nodes)
         return f"switchagg-ctl: job service on {listen};{agg} {reloaded} job(s) reloaded{metrics}"
 
     async def start(self) -> str:
@@ -245,6 +271,8 @@ class Controller:
             self._build_p4(self.config.topology)
         if self.config.two_level:
             self._build_two_level(self.config.two_level)
+        if self.config.reducers:
+            self._build_reducers(self.config.reducers)
         if self.config.software or self.config.fallback:
             self._build_software()
         self.manager = manager = JobManager(

@@ -146,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 # The serve flags that are ControllerConfig fields, by the same names.
 SERVE_FLAGS = (
-    "state", "listen", "topology", "two_level", "software", "fallback", "software_listen",
+    "state", "listen", "topology", "two_level", "reducers", "software", "fallback", "software_listen",
     "software_advertise", "p4_json", "p4info", "p4_slots", "sw_k", "sw_slots", "switch_wait",
     "join_timeout", "reap_timeout", "metrics_port", "metrics_host",
 )  # fmt: skip
@@ -206,6 +206,11 @@ def format_jobs(reply: jobs_pb2.ListJobsReply) -> str:
             f"{j.job_id or '-':>5} {j.name:<18} {j.state:<8} {j.data_plane or '-':<9} {j.world_size:>3} "
             f"{slots:>13} {j.k or '-':>5} {j.generation or '-':>5}  {workers}"
         )
+        for s in j.shards:  # a striped job: one line per shard, under its job
+            lines.append(
+                f"{'':>5}   shard {s.index}: {s.node} {s.aggregator_ip}:{s.aggregator_port} "
+                f"slots {s.slot_base}..{s.slot_base + s.slot_count - 1}"
+            )
     return "\n".join(lines)
 
 
@@ -228,6 +233,16 @@ def jobs_json(reply: jobs_pb2.ListJobsReply) -> dict[str, Any]:
                 "workers": [
                     {"rank": w.rank if active else None, "ip": w.ip, "udp_port": w.udp_port, "left": w.left}
                     for w in j.workers
+                ],
+                "shards": [
+                    {
+                        "index": s.index,
+                        "node": s.node,
+                        "aggregator": f"{s.aggregator_ip}:{s.aggregator_port}",
+                        "slot_base": s.slot_base,
+                        "slot_count": s.slot_count,
+                    }
+                    for s in j.shards
                 ],
             }
         )
@@ -457,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--two-level",
         metavar="FILE",
         help="software leaves and spine (YAML; docs/CONTROLLER.md), before --software",
+    )
+    p.add_argument(
+        "--reducers",
+        metavar="FILE",
+        help="a pool of software reducers that striped jobs run on (YAML; docs/CONTROLLER.md)",
     )
     p.add_argument("--software-listen", default="127.0.0.1:48879", help="software aggregator UDP address")
     p.add_argument("--software-advertise", help="aggregator IP told to workers (default: the listen IP)")

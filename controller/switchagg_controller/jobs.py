@@ -26,11 +26,12 @@ import grpc
 
 from switchagg import protocol
 from switchagg.aggregator import new_key
-from switchagg.jobclient import Assignment  # the answer a worker gets: one definition for both sides
+from switchagg.jobclient import Assignment, ShardAssignment  # what a worker gets: one definition for both
 from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
-from switchagg_controller.model import Job
+from switchagg_controller.model import Job, JobShard
 from switchagg_controller.planes import DataPlane, DataPlaneError
+from switchagg_controller.reducers import STRIPED, StripedDataPlane, pool_key
 from switchagg_controller.store import JobRecord, Store
 
 MAX_JOB_ID = 0xFFFF
@@ -52,12 +53,14 @@ class _Member:
     ip: str
     udp_port: int
     requested_rank: int | None
+    shard_ports: tuple[int, ...] = ()  # a striped job: the worker's port per shard
 
 
 @dataclass
 class _Pending:
     name: str
     world_size: int
+    shards: int = 0  # > 0: striped across that many reducers
     members: list[_Member] = field(default_factory=list)
     job: Job | None = None  # set when complete and installed
     data_plane: str = ""
@@ -137,7 +140,7 @@ class JobManager:
                 )
             plane = self.planes[record.data_plane]
             self.allocator.reserve(
-                Placement(record.data_plane, job.slot_base, job.slot_count, plane.slot_pools(job.workers))
+                Placement(record.data_plane, job.slot_base, job.slot_count, self._pools(plane, job))
             )
             record.job = replace(job, generation=self.store.next_generation())
             self.store.save(record)
@@ -158,10 +161,14 @@ class JobManager:
         udp_port: int,
         rank: int | None = None,
         timeout: float | None = None,
+        shards: int = 0,
+        shard_ports: tuple[int, ...] = (),
     ) -> Assignment:
         """Waits until the job is complete and installed. A caller cancelled while the others are
-        still missing (the worker gave up) is dropped from the job."""
+        still missing (the worker gave up) is dropped from the job. ``shards`` > 0: stripe the job
+        across that many reducers, ``shard_ports`` this worker's port for each."""
         self._check_join(name, world_size, ip, udp_port, rank, timeout)
+        self._check_shards(udp_port, shards, shard_ports)
         wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
         for active in self._active.values():
             job = active.record.job
@@ -177,9 +184,14 @@ class JobManager:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"job {name!r} is already running with all {job.n} workers",
             )
-        pending = self._pending.setdefault(name, _Pending(name, world_size))
+        pending = self._pending.setdefault(name, _Pending(name, world_size, shards))
         self._check_member(pending, world_size, ip, udp_port, rank)
-        member = _Member(ip, udp_port, rank)
+        if shards != pending.shards:
+            raise JobError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"job {name!r} is striped across {pending.shards} reducers, not {shards}",
+            )
+        member = _Member(ip, udp_port, rank, tuple(shard_ports))
         pending.members.append(member)
         if len(pending.members) == pending.world_size:
             del self._pending[name]
@@ -207,6 +219,14 @@ class JobManager:
         assert done is not None
         my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
         agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done, my.rank)
+        striped = self.striped
+        mine = tuple(
+            ShardAssignment(
+                i, s.node, *striped.node_address(s.node), s.slot_base, s.slot_count, s.key, s.ports[my.rank]
+            )
+            for i, s in enumerate(done.shards)
+            if striped is not None
+        )
         return Assignment(
             pending.data_plane,
             agg_ip,
@@ -219,7 +239,39 @@ class JobManager:
             done.k,
             done.generation,
             done.key,
+            mine,
         )
+
+    @property
+    def striped(self) -> StripedDataPlane | None:
+        """The reducer pool's data plane, if this controller has one."""
+        plane = self.planes.get(STRIPED)
+        return plane if isinstance(plane, StripedDataPlane) else None
+
+    def _pools(self, plane: DataPlane, job: Job) -> tuple[str, ...]:
+        """The slot pools ``job``'s range was taken from (a striped job: its reducers')."""
+        if job.shards and isinstance(plane, StripedDataPlane):
+            return plane.job_pools(job)
+        return plane.slot_pools(job.workers)
+
+    def _check_shards(self, udp_port: int, shards: int, ports: tuple[int, ...]) -> None:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if shards == 0:
+            if ports:
+                raise JobError(bad, "shard_ports without shards")
+            return
+        if len(ports) != shards or ports[0] != udp_port:
+            raise JobError(bad, f"a striped join names one port per shard ({shards}), the first its udp_port")
+        if len(set(ports)) != shards or not all(1 <= p <= 65535 for p in ports):
+            raise JobError(bad, f"shard ports must be distinct UDP ports, not {list(ports)}")
+        pool = self.striped.size if self.striped is not None else 0
+        if not 1 <= shards <= pool:
+            raise JobError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a striped job takes 1..{pool} shards of this controller's reducer pool, not {shards}"
+                if pool
+                else "this controller has no reducer pool (switchagg-ctl serve --reducers FILE)",
+            )
 
     def _drop(self, pending: _Pending, member: _Member) -> None:
         pending.members.remove(member)
@@ -286,8 +338,11 @@ class JobManager:
         errors = []
         unavailable = False
         key = new_key()  # the job's for life: kept across reinstalls and controller restarts
+        striped = pending.shards > 0
         for plane_name in self.order:
             plane = self.planes[plane_name]
+            if striped != (plane_name == STRIPED):  # a striped job runs on the reducers, no other on them
+                continue
             try:
                 workers = tuple(
                     sorted(
@@ -298,9 +353,19 @@ class JobManager:
                         key=lambda w: w.rank,
                     )
                 )
-                placement = self.allocator.place_on_all(
-                    plane_name, plane.slot_pools(workers), plane.default_slots
-                )
+                shards: tuple[JobShard, ...] = ()
+                if isinstance(plane, StripedDataPlane):
+                    nodes = plane.choose(pending.shards, self.allocator.free_slots)
+                    placement = self.allocator.place_on_all(
+                        plane_name, tuple(pool_key(n) for n in nodes), plane.default_slots
+                    )
+                    by_rank = dict(zip(ranks, pending.members, strict=True))
+                    ports = [by_rank[r].shard_ports for r in range(pending.world_size)]
+                    shards = plane.shards_of(nodes, placement.slot_base, placement.slot_count, key, ports)
+                else:
+                    placement = self.allocator.place_on_all(
+                        plane_name, plane.slot_pools(workers), plane.default_slots
+                    )
             except (AllocationError, DataPlaneError) as e:
                 errors.append(str(e))
                 continue
@@ -315,6 +380,7 @@ class JobManager:
                 workers=workers,
                 counter_index=self._free_counter_index(plane_name),
                 key=key,
+                shards=shards,
             )
             try:
                 await plane.install(job)
@@ -404,7 +470,7 @@ class JobManager:
         plane = self.planes[active.record.data_plane]
         await plane.remove(job)
         self.allocator.release(
-            Placement(active.record.data_plane, job.slot_base, job.slot_count, plane.slot_pools(job.workers))
+            Placement(active.record.data_plane, job.slot_base, job.slot_count, self._pools(plane, job))
         )
 
     async def reap(self) -> list[int]:

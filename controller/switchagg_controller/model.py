@@ -98,6 +98,19 @@ class WorkerAddr:
 
 
 @dataclass(frozen=True)
+class JobShard:
+    """One shard of a job striped across reducers (docs/PROTOCOL.md, Striping): its node, its slot
+    range there, its result key and each rank's UDP port for it (rank order; the IPs are the
+    job's workers')."""
+
+    node: str
+    slot_base: int
+    slot_count: int
+    key: int
+    ports: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Job:
     """One aggregation job as installed on a data plane."""
 
@@ -114,6 +127,9 @@ class Job:
     # the job and kept for its whole life (new generations, controller restarts); every RESULT of
     # its data plane carries it, and the workers (told it by Join) drop any other. 0: unkeyed.
     key: int = 0
+    # A job striped across reducers: one entry per shard, in shard order (workers, slot_base,
+    # slot_count and key above are shard 0's); () for a job on one aggregation node (per level).
+    shards: tuple[JobShard, ...] = ()
 
 
 @dataclass(frozen=True)

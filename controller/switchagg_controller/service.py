@@ -56,6 +56,8 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 request.udp_port,
                 None if request.rank == ANY_RANK else request.rank,  # other negatives are refused
                 request.timeout_s,
+                request.shards,
+                tuple(request.shard_ports),
             )
         except JobError as e:
             self._observe_join(start, e.code.name.lower())
@@ -78,6 +80,19 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             k=a.k,
             generation=a.generation,
             result_key=a.key,
+            shards=[
+                jobs_pb2.ShardAssignment(
+                    index=s.index,
+                    node=s.node,
+                    aggregator_ip=s.aggregator_ip,
+                    aggregator_port=s.aggregator_port,
+                    slot_base=s.slot_base,
+                    slot_count=s.slot_count,
+                    result_key=s.key,
+                    udp_port=s.udp_port,
+                )  # fmt: skip
+                for s in a.shards
+            ],
         )
 
     def _observe_join(self, start: float, outcome: str) -> None:
@@ -119,10 +134,25 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 info.k, info.generation = j.k, j.generation
                 for w in sorted(j.workers, key=lambda w: w.rank):
                     info.workers.add(rank=w.rank, ip=w.ip, udp_port=w.udp_port, left=w.rank in v.left)
+                striped = self.manager.striped
+                for i, shard in enumerate(j.shards if striped is not None else ()):
+                    assert striped is not None
+                    ip, port = striped.node_address(shard.node)
+                    info.shards.add(
+                        index=i, node=shard.node, aggregator_ip=ip, aggregator_port=port,
+                        slot_base=shard.slot_base, slot_count=shard.slot_count,
+                    )  # fmt: skip
             else:
                 for ip, port in v.joined:
                     info.workers.add(ip=ip, udp_port=port)
         return reply
+
+    async def Describe(
+        self, request: jobs_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.DescribeReply:
+        await self._check(request.secret, context)
+        striped = self.manager.striped
+        return jobs_pb2.DescribeReply(reducers=striped.size if striped is not None else 0)
 
     async def Teardown(
         self, request: jobs_pb2.TeardownRequest, context: grpc.aio.ServicerContext

@@ -1,7 +1,8 @@
 """SQLite persistence of the controller's own state, so a restarted controller picks up its jobs.
 
 What is stored: every installed job (id, name, data plane, slot range, K, generation, counter
-index, result key), its workers' addresses and whether each has left, and the generation counter.
+index, result key, a striped job's shards), its workers' addresses and whether each has left, and
+the generation counter.
 Pending joins are not stored: a worker still waiting in Join sees its call fail and joins again.
 
 The schema only grows: a column added later is added to an older file when it is opened, with
@@ -11,11 +12,13 @@ workers, told no key, expect).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from switchagg_controller.model import Job, WorkerAddr
+from switchagg_controller.model import Job, JobShard, WorkerAddr
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -33,8 +36,26 @@ CREATE TABLE IF NOT EXISTS workers (
 MAX_GENERATION = 0xFFFF
 
 # Columns added after the first schema: (table, column, definition), added to older files on open.
-_ADDED_COLUMNS = (("jobs", "result_key", "INTEGER NOT NULL DEFAULT 0"),)
-_JOB_COLUMNS = "job_id, name, data_plane, n, slot_base, slot_count, k, generation, counter_index, result_key"
+_ADDED_COLUMNS = (
+    ("jobs", "result_key", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "shards", "TEXT NOT NULL DEFAULT ''"),  # a striped job's shards as JSON; '': none
+)
+_JOB_COLUMNS = (
+    "job_id, name, data_plane, n, slot_base, slot_count, k, generation, counter_index, result_key, shards"
+)
+
+
+def _shards_json(shards: tuple[JobShard, ...]) -> str:
+    return json.dumps([dataclasses.asdict(s) for s in shards]) if shards else ""
+
+
+def _shards_from(text: str) -> tuple[JobShard, ...]:
+    if not text:
+        return ()
+    return tuple(
+        JobShard(d["node"], d["slot_base"], d["slot_count"], d["key"], tuple(d["ports"]))
+        for d in json.loads(text)
+    )
 
 
 @dataclass
@@ -85,7 +106,7 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (j.job_id,))
             self._db.execute(
-                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     j.job_id,
                     j.name,
@@ -97,6 +118,7 @@ class Store:
                     j.generation,
                     j.counter_index,
                     j.key,
+                    _shards_json(j.shards),
                 ),
             )
             self._db.executemany(
@@ -122,8 +144,20 @@ class Store:
         for job_id, rank, ip, port, mac, switch_port, left in workers:
             by_job.setdefault(job_id, []).append((WorkerAddr(rank, ip, port, mac, switch_port), bool(left)))
         records = []
-        for job_id, name, data_plane, n, base, count, k, gen, counter_index, key in jobs:
+        for job_id, name, data_plane, n, base, count, k, gen, counter_index, key, shards in jobs:
             ws = by_job.get(job_id, [])
-            job = Job(job_id, name, n, base, count, k, gen, tuple(w for w, _ in ws), counter_index, key)
+            job = Job(
+                job_id,
+                name,
+                n,
+                base,
+                count,
+                k,
+                gen,
+                tuple(w for w, _ in ws),
+                counter_index,
+                key,
+                _shards_from(shards),
+            )
             records.append(JobRecord(job, data_plane, {w.rank for w, left in ws if left}))
         return records

@@ -8,16 +8,19 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from switchagg import _core, protocol
+from switchagg.striping import Shard, Stripes, shard_bounds
 
 _METRICS_PORT_ENV = "SWITCHAGG_METRICS_PORT"
 _METRICS_HOST_ENV = "SWITCHAGG_METRICS_HOST"
 _KINDS = {np.dtype(np.float32): "f", np.dtype(np.int32): "i"}
+_PER_CALL = ("call", "allreduces")  # stats that count calls, not packets: one per call on every shard
 
 
 def _as_array(tensor: Any) -> np.ndarray:
@@ -51,7 +54,7 @@ class Session:
         job: int,
         rank: int,
         world_size: int,
-        aggregator: tuple[str, int] = ("127.0.0.1", protocol.UDP_PORT),
+        aggregator: tuple[str, int] | Sequence[tuple[str, int]] = ("127.0.0.1", protocol.UDP_PORT),
         slot_base: int = 0,
         slot_count: int = protocol.DEFAULT_SW_SLOTS,
         k: int = protocol.DEFAULT_SW_K,
@@ -63,6 +66,8 @@ class Session:
         metrics_port: int | None = None,
         key: int = 0,
         _worker: _core.Worker | None = None,
+        shards: Sequence[Shard] | None = None,
+        _workers: Sequence[_core.Worker] | None = None,
     ) -> None:
         """``rcvbuf``: the socket's receive buffer in bytes (0: as large as the system allows); a
         buffer too small for the job's window shrinks the window, with a warning.
@@ -74,27 +79,44 @@ class Session:
 
         ``key``: the job's 32-bit result key, as installed on its aggregator (the job service and the
         torch backend hand it out): only RESULTs that carry it are used. 0 on both sides for a job
-        set up by hand without one (docs/PROTOCOL.md, Security)."""
-        self._worker = _worker if _worker is not None else _core.Worker(bind[0], bind[1], rcvbuf)
-        self._worker.configure(
-            aggregator[0],
-            aggregator[1],
-            job,
-            rank,
-            world_size,
-            slot_base,
-            slot_count,
-            k,
-            rto=rto,
-            rto_max=rto_max,
-            timeout=timeout,
-            key=key,
+        set up by hand without one (docs/PROTOCOL.md, Security).
+
+        Striping (docs/PROTOCOL.md, Striping): ``aggregator`` may be a list of addresses, one
+        aggregator per shard, each with this job, slot range and key installed; or ``shards`` gives
+        each shard its own (what the job service hands out). Every tensor is then cut into that many
+        contiguous shards, each summed on its own aggregator through a socket of its own, all at
+        once; ``_workers``: the sockets, one per shard (bound already), else bound here."""
+        if shards is None:
+            many = [aggregator] if isinstance(aggregator[0], str) else list(aggregator)
+            shards = [Shard((str(a[0]), int(a[1])), slot_base, slot_count, key) for a in many]  # type: ignore[index]
+        if not shards:
+            raise ValueError("a session needs at least one aggregator")
+        workers = list(_workers) if _workers is not None else []
+        if _worker is not None and not workers:
+            workers = [_worker]
+        while len(workers) < len(shards):  # shard 0 on the given port, the others on free ones
+            workers.append(_core.Worker(bind[0], 0 if workers else bind[1], rcvbuf))
+        for shard, w in zip(shards, workers, strict=True):
+            w.configure(
+                shard.aggregator[0], shard.aggregator[1], job if shard.job is None else shard.job,
+                rank, world_size, shard.slot_base, shard.slot_count, k,
+                rto=rto, rto_max=rto_max, timeout=timeout, key=shard.key,
+            )  # fmt: skip
+        self._worker = workers[0]
+        self._workers = workers
+        self.shards = tuple(shards)
+        self._stripes = (
+            Stripes(workers, [s.node or "{}:{}".format(*s.aggregator) for s in shards])
+            if len(shards) > 1
+            else None
         )
-        if self._worker.window < slot_count:
+        aggregator = shards[0].aggregator
+        slot_base, slot_count, key = shards[0].slot_base, shards[0].slot_count, shards[0].key
+        if self.window < slot_count:
             warnings.warn(
                 f"switchagg: the socket's receive buffer is {self._worker.rcvbuf} bytes (the rcvbuf asked "
                 f"for, or net.core.rmem_max), too small for the results of {slot_count} slots of K={k}; "
-                f"sending {self._worker.window} at a time instead. Raise net.core.rmem_max to at least "
+                f"sending {self.window} at a time instead. Raise net.core.rmem_max to at least "
                 f"{self._worker.rcvbuf_needed // 2} for the full window (the kernel doubles it).",
                 RuntimeWarning,
                 stacklevel=2,
@@ -159,16 +181,24 @@ class Session:
         join_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
         metrics_port: int | None = None,
+        shards: int | None = None,
     ) -> Session:
         """Join ``job_name`` through the controller's job service and open its session; the session
-        heartbeats every ``heartbeat_interval`` seconds while it lives and leaves the job on close."""
+        heartbeats every ``heartbeat_interval`` seconds while it lives and leaves the job on close.
+
+        ``shards``: stripe the job across that many reducers of the service's pool (0: not
+        striped); None: $SWITCHAGG_SHARDS if set, else the pool's size (0 where it has none)."""
         from switchagg import jobclient
 
         worker = _core.Worker(bind[0], bind[1])
         ip, port = worker.address
         if ip in ("0.0.0.0", ""):  # the controller pins the address it is told: it must be a real one
             ip = _source_address(service)
-        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank=rank, timeout=join_timeout)
+        if shards is None:
+            shards = _shards_wanted(service, secret)
+        extra = [_core.Worker(bind[0], 0) for _ in range(max(0, shards - 1))]  # one socket per shard
+        ports = (port, *(w.address[1] for w in extra)) if shards > 0 else ()
+        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank, join_timeout, ports)
         session = cls(
             a.job_id,
             a.rank,
@@ -181,6 +211,12 @@ class Session:
             metrics_port=metrics_port,
             key=a.key,
             _worker=worker,
+            shards=[
+                Shard((s.aggregator_ip, s.aggregator_port), s.slot_base, s.slot_count, s.key, node=s.node)
+                for s in a.shards
+            ]
+            or None,
+            _workers=[worker, *extra] if a.shards else None,
         )
         session.job_name = job_name
         session.data_plane = a.data_plane
@@ -192,8 +228,14 @@ class Session:
 
     @property
     def window(self) -> int:
-        """Packets in flight at most: the job's slot count, or fewer if the receive buffer is small."""
-        return int(self._worker.window)
+        """Packets in flight at most: the job's slot count, or fewer if the receive buffer is small
+        (per shard, the least of them, on a striped job)."""
+        return min(int(w.window) for w in self._workers)
+
+    @property
+    def local_addresses(self) -> list[tuple[str, int]]:
+        """Each shard's socket address, in shard order (one entry unless striped)."""
+        return [w.address for w in self._workers]
 
     @property
     def local_address(self) -> tuple[str, int]:
@@ -228,17 +270,30 @@ class Session:
         total = numel() if callable(numel) else getattr(tensor, "size", 0)
         kind = "i" if "int" in str(getattr(tensor, "dtype", "")) else "f"
         try:
-            self._worker.abort(int(total or 0), kind)
+            if self._stripes is None:
+                self._worker.abort(int(total or 0), kind)
+                return
+            bounds = shard_bounds(int(total or 0), self.k, len(self._workers))
+            # Every shard aborts its part, so that the peers fail the call on each node.
+            self._stripes.run(lambda s, w: w.abort(max(1, bounds[s][1] - bounds[s][0]), kind))
         except _core.SwitchaggError:
             pass  # broken already: the peers failed an earlier call
 
+    def _allreduce(self, flat: np.ndarray, kind: str) -> None:
+        if self._stripes is None:
+            self._worker.allreduce(flat, kind)
+            return
+        bounds = shard_bounds(flat.size, self.k, len(self._workers))
+        # Each shard is a call of its own on its node (an empty one too: call numbers stay in step).
+        self._stripes.run(lambda s, w: w.allreduce(flat[bounds[s][0] : bounds[s][1]], kind))
+
     def _reduce(self, array: np.ndarray) -> None:
         if self._metrics is None:
-            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype])
             return
         t0 = time.perf_counter()
         try:
-            self._worker.allreduce(array.reshape(-1), _KINDS[array.dtype])
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype])
         except _core.SwitchaggTimeout:
             self._metrics.timed_out(self)
             raise
@@ -275,10 +330,16 @@ class Session:
     def cancel(self, reason: str) -> None:
         """From any thread: end the call in progress and refuse every later one; the call raises
         SwitchaggTimeout with ``reason`` (e.g. a watcher found a peer gone)."""
-        self._worker.cancel(reason)
+        for w in self._workers:
+            w.cancel(reason)
 
     def stats(self) -> dict[str, int]:
+        """The worker's packet counters (summed over the shards of a striped job; ``call`` and
+        ``allreduces`` count the session's calls, the same on every shard)."""
         stats: dict[str, int] = self._worker.stats()
+        for w in self._workers[1:]:
+            for name, value in w.stats().items():
+                stats[name] = max(stats[name], value) if name in _PER_CALL else stats[name] + value
         return stats
 
     def close(self) -> None:
@@ -288,7 +349,10 @@ class Session:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         with self._lock:
-            self._worker.close()
+            for w in self._workers:
+                w.close()
+        if self._stripes is not None:
+            self._stripes.close()
         if self._metrics is not None:
             self._metrics.detach(self)
             self._metrics = None
@@ -301,6 +365,18 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _shards_wanted(service: str, secret: str) -> int:
+    """$SWITCHAGG_SHARDS, else the size of the service's reducer pool (0: not striped)."""
+    text = os.environ.get("SWITCHAGG_SHARDS", "").strip()
+    if text:
+        if not text.isdigit():
+            raise ValueError(f"SWITCHAGG_SHARDS={text!r} is not a number of shards")
+        return int(text)
+    from switchagg import jobclient
+
+    return jobclient.describe(service, secret)
 
 
 def _source_address(service: str) -> str:

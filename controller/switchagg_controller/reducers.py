@@ -1,0 +1,296 @@
+"""The reducer pool: software aggregators that a job is striped across (docs/PROTOCOL.md,
+Striping; docs/CONTROLLER.md, The reducer pool).
+
+The file (``switchagg-ctl serve --reducers FILE``) lists the pool's nodes; a node with only
+``listen`` is embedded (the controller runs it), one that also names ``control`` and
+``secret_file`` (relative to the file) is a ``switchagg-aggregator --control`` elsewhere, e.g. on a
+reducer host of its own:
+
+reducers:
+  - {name: r0, listen: 10.202.0.1:48879, control: 'unix:/run/r0.sock', secret_file: r.secret}
+  - {name: r1, listen: 10.202.0.2:48879, advertise: 10.202.0.2}
+
+A job that asks for M shards gets M nodes of the pool (those with the most free slots, in file
+order), one slot range on each (the same base on all), and shard s of every tensor is summed on
+its s-th node, with each rank pinned to its own socket for that shard and a result key of the
+shard's own (switchagg.striping.shard_key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import yaml
+
+from switchagg import protocol
+from switchagg.striping import shard_key
+from switchagg_controller import allocation
+from switchagg_controller.model import Job, JobShard, Remote, WorkerAddr
+from switchagg_controller.planes import (
+    CounterReading,
+    CounterValue,
+    DataPlaneError,
+    job_counters,
+    reconcile_jobs,
+)
+from switchagg_controller.topology import (
+    REMOTE_KEYS,
+    TopologyError,
+    YamlNode,
+    parse_address,
+    parse_remote,
+    read_config,
+)
+
+if TYPE_CHECKING:
+    from switchagg.aggregator import AggregatorHandle
+
+STRIPED = "striped"
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReducerSpec:
+    name: str
+    listen: tuple[str, int]
+    advertise: str = ""  # the IP told to workers ("": the listen IP)
+    remote: Remote | None = None  # None: embedded in the controller
+
+
+def parse_reducers(text: str, source: str = "<reducers>", base: Path | None = None) -> list[ReducerSpec]:
+    base = base if base is not None else Path()
+    try:
+        root_node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise TopologyError(f"{source}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if root_node is None:
+        raise TopologyError(f"{source}:1: the file is empty")
+    top = YamlNode(source, root_node, "").mapping(("reducers",))
+    out: list[ReducerSpec] = []
+    for node in top["reducers"].sequence():
+        f = node.mapping(("name", "listen"), ("advertise", *REMOTE_KEYS))
+        name = f["name"].text()
+        listen = parse_address(f["listen"])
+        for other in out:
+            if other.name == name or (other.listen == listen and listen[1] != 0):  # 0: a free port each
+                raise node.fail(f"reducer {name!r} ({listen[0]}:{listen[1]}) repeats reducer {other.name!r}")
+        advertise = f["advertise"].ipv4() if "advertise" in f else ""
+        out.append(ReducerSpec(name, listen, advertise, parse_remote(f, base)))
+    if not out:
+        raise top["reducers"].fail("at least one reducer is needed")
+    return out
+
+
+def load_reducers(path: str | Path) -> list[ReducerSpec]:
+    return parse_reducers(*read_config(path, "reducer pool file"), base=Path(path).parent)
+
+
+def pool_key(node: str) -> str:
+    return f"{STRIPED}:{node}"
+
+
+def shard_workers(job: Job, shard: JobShard) -> list[tuple[str, int]]:
+    """Each rank's address for ``shard``, in rank order: the job's worker IP, the shard's port."""
+    ranks = sorted(job.workers, key=lambda w: w.rank)
+    return [(w.ip, port) for w, port in zip(ranks, shard.ports, strict=True)]
+
+
+class StripedDataPlane:
+    """Jobs striped across a pool of software reducers (embedded or remote). The job manager asks
+    ``choose`` for a job's nodes, takes one range free on all of them, and installs; each shard is
+    an ordinary job on its node (its own ports of the workers, its own key). Remote nodes block
+    (gRPC), so with one among them the changes and counter reads run in a worker thread."""
+
+    name = STRIPED
+
+    def __init__(
+        self,
+        specs: list[ReducerSpec],
+        nodes: list[AggregatorHandle],
+        k: int = protocol.DEFAULT_SW_K,
+        default_slots: int = protocol.DEFAULT_SW_SLOTS,
+    ) -> None:
+        if len(specs) != len(nodes) or not specs:
+            raise ValueError(f"{len(specs)} reducers in the pool, {len(nodes)} aggregators")
+        self.specs, self.nodes = specs, nodes
+        self.index = {s.name: i for i, s in enumerate(specs)}
+        self.k, self.default_slots = k, default_slots
+        self._installed: dict[int, Job] = {}
+        self._lock = threading.Lock()
+        from switchagg.aggregator_control import RemoteAggregator
+
+        self.remote = any(isinstance(a, RemoteAggregator) for a in nodes)
+
+    # -- what the job manager asks --------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.specs)
+
+    def node_address(self, node: str) -> tuple[str, int]:
+        """Where workers send a shard on ``node``."""
+        i = self.index[node]
+        host, port = self.nodes[i].address
+        return (self.specs[i].advertise or host, port)
+
+    @property
+    def aggregator(self) -> tuple[str, int]:
+        return self.node_address(self.specs[0].name)
+
+    def aggregator_of(self, job: Job, rank: int) -> tuple[str, int]:
+        return self.node_address(job.shards[0].node) if job.shards else self.aggregator
+
+    def pool_sizes(self) -> dict[str, int]:
+        return {pool_key(s.name): allocation.SW_POOL_SLOTS for s in self.specs}
+
+    def slot_pools(self, workers: tuple[WorkerAddr, ...]) -> tuple[str, ...]:
+        raise DataPlaneError("the reducer pool takes striped jobs only (a Join with shards > 0)")
+
+    def job_pools(self, job: Job) -> tuple[str, ...]:
+        return tuple(pool_key(s.node) for s in job.shards)
+
+    def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
+        return WorkerAddr(rank, ip, udp_port)
+
+    def choose(self, shards: int, free: Callable[[str], int]) -> list[str]:
+        """The ``shards`` nodes a new job is striped across: those with the most free slots
+        (``free(pool key)``), in pool order."""
+        if not 1 <= shards <= self.size:
+            raise DataPlaneError(
+                f"a striped job takes 1..{self.size} shards of the reducer pool, not {shards}"
+            )
+        ranked = sorted(range(self.size), key=lambda i: -free(pool_key(self.specs[i].name)))
+        return [self.specs[i].name for i in sorted(ranked[:shards])]
+
+    @staticmethod
+    def shards_of(
+        nodes: list[str], base: int, count: int, key: int, ports: list[tuple[int, ...]]
+    ) -> tuple[JobShard, ...]:
+        """The shards of a job: node s gets shard s, with each rank's port ``ports[rank][s]``."""
+        return tuple(
+            JobShard(node, base, count, shard_key(key, s), tuple(p[s] for p in ports))
+            for s, node in enumerate(nodes)
+        )
+
+    # -- installing -----------------------------------------------------------------------------
+
+    def _add(self, job: Job, s: int) -> None:
+        shard = job.shards[s]
+        addrs = shard_workers(job, shard)
+        self.nodes[self.index[shard.node]].add_job(
+            job.job_id, job.n, shard.slot_base, shard.slot_count, job.k, job.generation, addrs,
+            name=job.name, key=shard.key,
+        )  # fmt: skip
+
+    async def _off_loop(self, call: Callable[..., _T], *args: object) -> _T:
+        return await asyncio.to_thread(call, *args) if self.remote else call(*args)
+
+    def _install(self, job: Job) -> None:
+        with self._lock:
+            if job.job_id in self._installed:  # a reinstall with a new generation
+                self._remove_locked(self._installed[job.job_id])
+            done: list[int] = []
+            try:
+                for s in range(len(job.shards)):
+                    self._add(job, s)
+                    done.append(s)
+            except Exception as e:
+                for s in done:
+                    self.nodes[self.index[job.shards[s].node]].remove_job(job.job_id)
+                from switchagg.aggregator_control import ControlError
+
+                away = (
+                    isinstance(e, ControlError)
+                    and e.code is not None
+                    and e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+                )
+                node = job.shards[len(done)].node
+                raise DataPlaneError(
+                    f"reducer {node} refused shard {len(done)} of job {job.job_id}: {e}", away
+                ) from e
+            self._installed[job.job_id] = job
+
+    def _remove_locked(self, job: Job) -> None:
+        self._installed.pop(job.job_id, None)
+        for shard in job.shards:
+            try:
+                self.nodes[self.index[shard.node]].remove_job(job.job_id)
+            except Exception as e:  # a remote node that is away: reconcile() clears it later
+                log.warning("removing job %d from reducer %s failed: %s", job.job_id, shard.node, e)
+
+    def _remove(self, job: Job) -> None:
+        with self._lock:
+            if job.job_id in self._installed:
+                self._remove_locked(job)
+
+    async def install(self, job: Job) -> None:
+        unknown = [s.node for s in job.shards if s.node not in self.index]
+        if not job.shards or unknown:
+            raise DataPlaneError(f"job {job.job_id} names no shard or reducers not in the pool: {unknown}")
+        await self._off_loop(self._install, job)
+
+    async def remove(self, job: Job) -> None:
+        await self._off_loop(self._remove, job)
+
+    async def restore(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                await self.install(job)
+            except DataPlaneError as e:  # a remote reducer not up yet: reconciled when it is
+                log.warning("%s", e)
+                self._installed[job.job_id] = job
+
+    def reconcile(self, node: int, jobs: list[Job]) -> tuple[int, int]:
+        """Makes reducer ``node`` hold exactly its shards of ``jobs`` (a remote reducer that
+        restarted or came back), generations unchanged. Returns (installed, removed)."""
+        name = self.specs[node].name
+        with self._lock:
+            mine = {
+                j.job_id: (j, next(i for i, s in enumerate(j.shards) if s.node == name))
+                for j in jobs
+                if j.job_id in self._installed and any(s.node == name for s in j.shards)
+            }
+            # reconcile_jobs compares slots, K and key: give it the shard's view of each job.
+            want = {
+                job_id: Job(
+                    j.job_id,
+                    j.name,
+                    j.n,
+                    j.shards[s].slot_base,
+                    j.shards[s].slot_count,
+                    j.k,
+                    j.generation,
+                    j.workers,
+                    key=j.shards[s].key,
+                )  # fmt: skip
+                for job_id, (j, s) in mine.items()
+            }
+            return reconcile_jobs(
+                self.nodes[node], want, lambda view: self._add(mine[view.job_id][0], mine[view.job_id][1])
+            )
+
+    # -- counters -------------------------------------------------------------------------------
+
+    async def counters(self) -> CounterReading:
+        return await self._off_loop(self._counters)
+
+    def _counters(self) -> CounterReading:
+        reading = CounterReading()
+        for spec, agg in zip(self.specs, self.nodes, strict=True):
+            plane = f"{self.name}:{spec.name}"
+            try:
+                c = agg.counters()
+            except Exception as e:  # a remote reducer that is away: the others still answer
+                reading.unavailable[plane] = str(e) or type(e).__name__
+                continue
+            out = [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
+            out += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
+            reading.values += out + job_counters(plane, c)
+        return reading

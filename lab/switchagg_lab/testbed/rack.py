@@ -32,13 +32,15 @@ AGG_MAC = "02:5a:00:00:00:fe"
 SUBNET = "10.201.0."
 DATA_PLANES = ("bmv2", "soft")
 MAX_ENDPOINTS = 32
-_TEST_PREFIX = re.compile(r"^sab(\d+)x\d+(sw|h\d+)$")  # sab<pid>x<n>...: owned by a (test) process
+_TEST_PREFIX = re.compile(r"^sab(\d+)x\d+(sw|h\d+|r\d+)$")  # sab<pid>x<n>...: owned by a (test) process
+MAX_REDUCERS = 16
+REDUCER_HOST = 101  # reducer host i is <subnet>.(101 + i): above any worker (at most 32)
 _counter = itertools.count(1)
 
 
 def remove(prefix: str) -> list[str]:
     """Removes every namespace and leftover link of the testbed ``prefix`` (and so its processes)."""
-    return netns.remove_matching(re.compile(rf"^{re.escape(prefix)}(sw|h\d+)$"))
+    return netns.remove_matching(re.compile(rf"^{re.escape(prefix)}(sw|h\d+|r\d+)$"))
 
 
 class Testbed(netns.Bed):
@@ -56,9 +58,18 @@ class Testbed(netns.Bed):
         device_id: int = 0,
         static_arp: bool = False,
         subnet: str = SUBNET,
+        reducers: int = 0,
     ) -> None:
         """``subnet`` ("10.201.0."): the endpoints' /24 and the aggregator's address in it (.254);
-        testbeds of one controller (several switches) need subnets of their own."""
+        testbeds of one controller (several switches) need subnets of their own.
+
+        ``reducers`` (soft only): that many reducer hosts beside the workers, each a namespace
+        ``<prefix>r<i>`` at ``<subnet>.(101+i)`` cabled to a bridge port like a worker and capped at
+        the same rate (the Reduction Server case: software aggregators behind links of their own)."""
+        if reducers and data_plane != "soft":
+            raise ValueError("reducer hosts join the software data plane's bridge (data_plane='soft')")
+        if not 0 <= reducers <= MAX_REDUCERS:
+            raise ValueError(f"a testbed has 0..{MAX_REDUCERS} reducer hosts, not {reducers}")
         if not 1 <= n <= MAX_ENDPOINTS:
             raise ValueError(f"a testbed has 1..{MAX_ENDPOINTS} endpoints, not {n}")
         if data_plane not in DATA_PLANES:
@@ -82,6 +93,12 @@ class Testbed(netns.Bed):
         self.endpoints = [
             Endpoint(i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{subnet}{i + 1}", i + 1)
             for i in range(n)
+        ]
+        self.reducer_hosts = [
+            Endpoint(
+                i, f"{self.prefix}r{i}", f"02:5a:00:00:01:{i + 1:02x}", f"{subnet}{REDUCER_HOST + i}", 64 + i
+            )
+            for i in range(reducers)
         ]
         self.switch: Bmv2Switch | None = None
         if data_plane == "bmv2":
@@ -136,6 +153,7 @@ class Testbed(netns.Bed):
         """/etc/hosts inside the namespaces: names for every address (torch looks its peers up)."""
         lines = ["127.0.0.1 localhost", f"{self.agg_ip} switch"]
         lines += [f"{e.ip} h{e.index}" for e in self.endpoints]
+        lines += [f"{e.ip} r{e.index}" for e in self.reducer_hosts]
         return "\n".join(lines) + "\n"
 
     def start(self) -> None:
@@ -150,7 +168,7 @@ class Testbed(netns.Bed):
             sh("ip", "link", "add", "br0", "type", "bridge", ns=self.switch_ns)
             sh("ip", "link", "set", "br0", "address", AGG_MAC, "mtu", str(self.mtu), "up", ns=self.switch_ns)
             sh("ip", "addr", "add", f"{self.agg_ip}/24", "dev", "br0", ns=self.switch_ns)
-        for e in self.endpoints:
+        for e in self.endpoints + self.reducer_hosts:
             self._add_ns(e.ns)
             sw_if = self.switch_port(e)
             netns.veth(sw_if, self.switch_ns, e.ifname, e.ns, self.mtu)

@@ -15,6 +15,9 @@ command once per worker namespace, with RANK/WORLD_SIZE/MASTER_ADDR and the SWIT
 that point the torch backend at the job service; {rank}, {n}, {ip} and {master} in the command are
 replaced. `down` removes every namespace, link and process of the testbed, also after a crash.
 
+With `--reducers M`, M reducer hosts (namespaces of their own, links capped like the workers') run a
+software aggregator each, and the job service stripes every job across them (docs/TESTBED.md).
+
 With `--racks`, the workers sit in racks behind leaf namespaces cabled to a spine namespace
 (switchagg_lab.testbed.racks), worker links capped by `--rate` and uplinks by `--uplink-rate`; a
 software aggregator runs in each leaf and in the spine, and the job service in the spine installs
@@ -41,8 +44,9 @@ from typing import Any
 from switchagg import protocol
 from switchagg.cli_util import add_version, parse_rate, quiet_broken_pipe, silence_stdout
 from switchagg_lab.testbed import netns, racks, tools
-from switchagg_lab.testbed.rack import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, Testbed, remove
+from switchagg_lab.testbed.rack import AGG_IP, DATA_PLANES, MAX_ENDPOINTS, MAX_REDUCERS, Testbed, remove
 from switchagg_lab.testbed.racks import SPINE_IP, Racks
+from switchagg_lab.testbed.reducer_hosts import start_reducer_service
 from switchagg_lab.testbed.testbed_controller import (
     service_address,
     start_job_service,
@@ -90,6 +94,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "sw_slots": args.sw_slots,
         "racks": args.racks,
         "uplink_rate_mbit": args.uplink_rate,
+        "reducers": args.reducers,
     }
 
 
@@ -109,6 +114,7 @@ def _bed(name: str, spec: dict[str, Any]) -> Testbed | Racks:
         rate_mbit=spec["rate_mbit"],
         mtu=spec["mtu"],
         prefix=_prefix(name),
+        reducers=spec.get("reducers") or 0,
     )
 
 
@@ -157,6 +163,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError(f"--racks names 1..{racks.MAX_RACKS} racks")
     elif spec["uplink_rate_mbit"] is not None:
         raise CliError("--uplink-rate needs --racks")
+    if spec["reducers"]:
+        if spec["racks"] or spec["data_plane"] != "soft":
+            raise CliError(
+                "--reducers puts reducer hosts beside one software rack: no --racks, --data-plane software"
+            )
+        if not 1 <= spec["reducers"] <= MAX_REDUCERS:
+            raise CliError(f"--reducers must be within 1..{MAX_REDUCERS}")
     _check_tools(spec)
     state = _load(args.name)
     if state is not None and _healthy(args.name, state):
@@ -172,6 +185,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         bed.start()
         if isinstance(bed, Racks):
             pids = start_two_level_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
+        elif bed.reducer_hosts:
+            pids = start_reducer_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
         else:
             pids = {"service": start_job_service(bed, workdir, spec["sw_k"], spec["sw_slots"]).pid}
             if bed.switch is not None and bed.switch.pid:
@@ -191,6 +206,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     else:
         where = f"{_plane_name(spec)} data plane at {AGG_IP}, links {rate}"
+        if bed.reducer_hosts:
+            where += (
+                f", {len(bed.reducer_hosts)} reducer hosts ({', '.join(e.ip for e in bed.reducer_hosts)})"
+            )
     print(
         f"testbed {args.name}: {spec['n']} workers ({workers}), {where}, MTU {bed.mtu}; "
         f"job service unix:{workdir / 'jobs.sock'}; switchagg-ctl reaches it with:"
@@ -410,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_rate,
         metavar="RATE",
         help="with --racks: cap each leaf's uplink (as --rate)",
+    )
+    p.add_argument(
+        "--reducers",
+        type=int,
+        default=0,
+        metavar="M",
+        help="M reducer hosts (software aggregators in namespaces of their own, links capped as the "
+        "workers'): jobs are striped across them (SWITCHAGG_SHARDS=0 runs one on the switch)",
     )
     p.add_argument("--mtu", type=int, help="link MTU (default 9000 software, 1500 bmv2)")
     p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K of the software aggregator")

@@ -426,6 +426,77 @@ def scenario_paused_peer(rank: int, n: int, out_dir: Path) -> None:
         dist.barrier()
 
 
+def scenario_bind(rank: int, n: int, out_dir: Path) -> None:
+    """MASTER_ADDR is this host's routed address, SWITCHAGG_BIND unset: the aggregator listens there."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    t = torch.full((K + 3,), rank + 1, dtype=torch.int32)
+    dist.all_reduce(t)
+    session = pg.data_plane.session
+    result = {
+        "ok": bool(torch.equal(t, torch.full((K + 3,), n * (n + 1) // 2, dtype=torch.int32))),
+        "aggregator": list(session.aggregator),
+        "worker": list(session.local_address),
+    }
+    dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def scenario_cuda(rank: int, n: int, out_dir: Path) -> None:
+    """CUDA tensors (tests/test_torch_setup.py, where a GPU is present): sums and DDP, backend and hook."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            t = torch.full((3 * K + 5,), float(rank + 1), dtype=dtype, device=device)
+            dist.all_reduce(t, op=op)
+            want = n * (n + 1) / 2 / (n if op == dist.ReduceOp.AVG else 1)
+            ok = (
+                ok
+                and t.device == device
+                and bool(torch.allclose(t.float(), torch.full_like(t.float(), want)))
+            )
+    gloo_group = dist.new_group(backend="gloo")
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
+
+    def cuda_grads(group: Any, hook: Any = None) -> list[torch.Tensor]:
+        model = make_model().to(device)
+        ddp = DDP(model, device_ids=[device], process_group=group, bucket_cap_mb=CAP_MB)
+        if hook is not None:
+            ddp.register_comm_hook(hook, satorch.allreduce_hook)
+        return [g.cpu() for g in grads(ddp, x)]
+
+    reference = cuda_grads(gloo_group)
+    before = pg.stats()["network"].get("allreduce", 0)
+    backend = cuda_grads(pg)
+    state = satorch.SwitchaggHookState(gloo_group)
+    hooked = cuda_grads(gloo_group, state)
+    local = grads(make_model().to(device), x)
+    peak = torch.tensor([max(g.abs().max().item() for g in local)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=gloo_group)
+    bound = 2 * protocol.error_bound(n, math.frexp(peak.item())[1])
+
+    def max_diff(gs: list[torch.Tensor]) -> float:
+        return max((a - b).abs().max().item() for a, b in zip(gs, reference, strict=True))
+
+    result = {
+        "sums_ok": ok,
+        "network_calls": pg.stats()["network"].get("allreduce", 0),
+        "ddp_backend_network": pg.stats()["network"].get("allreduce", 0) - before,
+        "ddp_backend_max_diff": max_diff(backend),
+        "ddp_hook_max_diff": max_diff(hooked),
+        "ddp_bound": bound,
+        "hook_network": state.stats()["network"].get("allreduce", 0),
+        "hook_delegated": state.stats()["delegated"].get("allreduce", 0),
+    }
+    dist.barrier()
+    state.close()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
     """SWITCHAGG_JOB_SERVICE is set: the ranks join through the controller, no embedded aggregator."""
     dist.init_process_group("switchagg")
@@ -645,6 +716,8 @@ SCENARIOS = {
     "collectives": scenario_collectives,
     "killed_peer": scenario_killed_peer,
     "paused_peer": scenario_paused_peer,
+    "bind": scenario_bind,
+    "cuda": scenario_cuda,
     "job_service": scenario_job_service,
 }
 

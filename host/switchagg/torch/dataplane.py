@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -124,18 +125,65 @@ def _worker_bind(aggregator_host: str) -> tuple[str, int]:
     return ("127.0.0.1", 0) if aggregator_host.startswith("127.") else ("0.0.0.0", 0)
 
 
+def default_bind() -> str:
+    """Where rank 0's embedded aggregator listens unless SWITCHAGG_BIND says: the local address the
+    kernel routes toward MASTER_ADDR (where the other ranks reach this host's store), or loopback
+    when MASTER_ADDR is (a UDP connect() sends nothing)."""
+    master = os.environ.get("MASTER_ADDR", "").strip().strip("[]")
+    if not master:
+        return "127.0.0.1"
+    try:
+        ip = socket.gethostbyname(master)
+        if ip.startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            local: str = s.getsockname()[0]
+        return local
+    except OSError as e:
+        raise ValueError(
+            f"switchagg cannot find the local address routed toward MASTER_ADDR={master!r} ({e}): set "
+            "SWITCHAGG_BIND to the address of rank 0's host that every rank can reach"
+        ) from e
+
+
+def network_identity() -> str:
+    """Which network stack this process sees: the boot and the network namespace. Two processes
+    reach each other's loopback addresses only if theirs are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""  # unknown: not checked
+
+
+def check_reachable(host: str, publisher: str, mine: str) -> None:
+    """Rank 0's aggregator listens on ``host``; a loopback address is reachable from its own network
+    stack only (``publisher`` and ``mine`` are network_identity()s; empty: unknown, not checked)."""
+    if host.startswith("127.") and publisher and mine and publisher != mine:
+        raise RuntimeError(
+            f"rank 0's embedded switchagg aggregator listens on {host}, a loopback address, and this rank "
+            "runs on another host (or network namespace), so it could not reach it: set SWITCHAGG_BIND to "
+            "an address of rank 0's host that every rank can reach (unset, it is the address routed "
+            f"toward MASTER_ADDR={os.environ.get('MASTER_ADDR', '')!r}, loopback when that is local)"
+        )
+
+
 def _start_aggregator() -> SoftwareAggregator:
     from switchagg.aggregator import SoftwareAggregator
 
-    return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND", "127.0.0.1"), port=0).start()
+    return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND") or default_bind(), port=0).start()
 
 
-def _parse_published(text: str) -> tuple[tuple[str, int], int]:
-    """Rank 0's "HOST:PORT KEY": the embedded aggregator's address and the job's result key."""
-    address, _, key = text.partition(" ")
+def _parse_published(text: str) -> tuple[tuple[str, int], int, str]:
+    """Rank 0's "HOST:PORT KEY NETWORK": the embedded aggregator's address, the job's result key and
+    rank 0's network_identity()."""
+    address, _, rest = text.partition(" ")
+    key, _, network = rest.partition(" ")
     if not key.isdigit() or not 0 < int(key) <= 0xFFFFFFFF:
         raise RuntimeError(f"rank 0 published {text!r}, not HOST:PORT KEY (a non-zero 32-bit key)")
-    return parse_host_port(address, "published aggregator address"), int(key)
+    return parse_host_port(address, "published aggregator address"), int(key), network
 
 
 def _published(text: str, what: str) -> str:
@@ -166,12 +214,15 @@ def _open_embedded(
                 exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
                 raise
             host, port = aggregator.address
-            address, key = _parse_published(exchange.share(f"{host}:{port} {key}"))
+            address, key, network = _parse_published(
+                exchange.share(f"{host}:{port} {key} {network_identity()}")
+            )
         else:
-            address, key = _parse_published(
+            address, key, network = _parse_published(
                 _published(exchange.share(None), "start the switchagg aggregator")
             )
         try:
+            check_reachable(address[0], network, network_identity())
             session = Session(
                 EMBEDDED_JOB,
                 rank,
@@ -187,11 +238,11 @@ def _open_embedded(
             session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
             mine = "{}:{}".format(*session.local_address)
         except Exception as e:
-            mine = f"{FAILED_MARK}rank {rank}: {e!r}"
+            mine = f"{FAILED_MARK}rank {rank}: {type(e).__name__}: {e}"
         addresses = exchange.gather(mine)
         failed = [a[1:] for a in addresses if a.startswith(FAILED_MARK)]
         if failed:
-            raise RuntimeError(f"switchagg ranks could not open their sockets: {'; '.join(failed)}")
+            raise RuntimeError(f"switchagg ranks could not open their data plane: {'; '.join(failed)}")
         if aggregator is not None:
             try:
                 pinned = [parse_host_port(a, f"rank {r}'s address") for r, a in enumerate(addresses)]

@@ -1,0 +1,203 @@
+"""The torch integration's set-up and staging: where the embedded aggregator binds, the backend's
+registration through torch's entry points, and the staging pipeline (stager.Stager) on real sessions
+and a real software aggregator, on the CPU and, where there is one, on a CUDA device."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from switchagg import Session  # noqa: E402
+from switchagg.aggregator import SoftwareAggregator, new_key  # noqa: E402
+from switchagg.torch import precision  # noqa: E402
+from switchagg.torch.dataplane import check_reachable, default_bind, network_identity  # noqa: E402
+from switchagg.torch.stager import Stager  # noqa: E402
+from switchagg_lab.testing.kit import free_port  # noqa: E402
+from tests.torch_launch import finish, launch, read  # noqa: E402
+
+NO_CUDA = "no CUDA device on this machine (torch.cuda.is_available() is False)"
+
+
+def routed_address() -> str | None:
+    """This host's address routed toward a TEST-NET-1 address, if it has a non-loopback route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        ip: str = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+def test_default_bind_follows_master_addr(monkeypatch: pytest.MonkeyPatch) -> None:
+    for local in ("127.0.0.1", "localhost", ""):
+        monkeypatch.setenv("MASTER_ADDR", local)
+        assert default_bind() == "127.0.0.1"
+    ip = routed_address()
+    if ip is not None:
+        monkeypatch.setenv("MASTER_ADDR", ip)
+        assert default_bind() == ip  # the address the other ranks reach this host's store at
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(ValueError, match="SWITCHAGG_BIND"):
+        default_bind()
+
+
+def test_loopback_aggregator_from_another_network_fails_naming_switchagg_bind() -> None:
+    mine = network_identity()
+    assert mine  # Linux: boot id and network namespace
+    check_reachable("127.0.0.1", mine, mine)  # same host: fine
+    check_reachable("192.0.2.2", "another-host/1", mine)  # a routable address: not judged
+    with pytest.raises(RuntimeError, match="SWITCHAGG_BIND"):
+        check_reachable("127.0.0.1", "another-host/1", mine)
+
+
+def test_embedded_binds_the_address_routed_toward_master_addr(tmp_path: Path) -> None:
+    ip = routed_address()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 route on this machine")
+    n = 2
+    for rank, (code, err) in enumerate(finish(launch("bind", n, tmp_path, MASTER_ADDR=ip))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    for rank in range(n):
+        r = read(tmp_path, rank)
+        assert r["ok"] and r["aggregator"][0] == ip and r["worker"][0] == ip, r
+
+
+def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> None:
+    """torch's entry points (group torch.backends) register "switchagg" when torch is imported: a
+    script that never imports switchagg.torch inits the group and sums in the network."""
+    names = [e.name for e in entry_points(group="torch.backends")]
+    assert "switchagg" in names, (
+        "entry point missing: reinstall (pip install -e . --no-deps --no-build-isolation)"
+    )
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('switchagg')\n"
+        "t = torch.ones(10)\n"
+        "dist.all_reduce(t)\n"
+        "print(type(dist.group.WORLD).__name__, dist.group.WORLD.stats()['network'], t.sum().item())\n"
+        "dist.destroy_process_group()\n"
+        "os._exit(0)\n"
+    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    env.pop("SWITCHAGG_JOB_SERVICE", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ProcessGroupSwitchagg", "{'allreduce':", "1}", "10.0"], done.stdout
+
+
+class Job:
+    """n sessions of one job on an in-process software aggregator (real sockets)."""
+
+    def __init__(self, n: int, k: int, slots: int = 8) -> None:
+        self.aggregator = SoftwareAggregator("127.0.0.1", 0).start()
+        key = new_key()
+        self.sessions = [
+            Session(1, r, n, self.aggregator.address, 0, slots, k, timeout=30, key=key) for r in range(n)
+        ]
+        pinned = [s.local_address for s in self.sessions]
+        self.aggregator.add_job(1, n, 0, slots, k, 7, pinned, key=key)
+
+    def close(self) -> None:
+        for s in self.sessions:
+            s.close()
+        self.aggregator.stop()
+
+
+def stage_everywhere(job: Job, inputs: list[list[Any]], chunk: int, divide_by: int, pin: bool) -> list[Any]:
+    """Every rank runs Stager.run on its tensors at once (one thread per rank); returns the errors."""
+    errors: list[Any] = [None] * len(job.sessions)
+
+    def rank(r: int) -> None:
+        try:
+            Stager(job.sessions[r].allreduce_async, chunk, pin_memory=pin).run(inputs[r], divide_by).result(
+                60
+            )
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(job.sessions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def staged_case(device: str, dtype: Any, average: bool, several: bool) -> None:
+    n, k = 3, 64
+    chunk = 2 * k
+    size = 5 * k + 7  # three chunks, the last one short
+    job = Job(n, k)
+    try:
+        g = torch.Generator().manual_seed(5)
+        values = [
+            torch.randn(size, generator=g) * 2.0 ** torch.randint(-6, 6, (size,), generator=g)
+            for _ in range(n)
+        ]
+        inputs = [v.to(dtype) for v in values]
+        exact = torch.stack([x.double() for x in inputs]).sum(0).numpy() / (n if average else 1)
+        if several:  # a non-contiguous tensor and a plain one, flattened into one buffer
+            tensors = [[x[:200].reshape(20, 10).t().to(device), x[200:].clone().to(device)] for x in inputs]
+        else:
+            tensors = [[x.clone().to(device)] for x in inputs]
+        errors = stage_everywhere(job, tensors, chunk, n if average else 1, pin=device == "cuda")
+        assert errors == [None] * n
+        peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
+        padded = np.zeros(-(-size // k) * k, np.float32)
+        padded[:size] = peak
+        exps = np.repeat(np.frexp(padded.reshape(-1, k).max(axis=1))[1], k)[:size]
+        bound = precision.error_bound(dtype, n, exps, exact, average)
+        for r in range(n):
+            out = tensors[r]
+            flat = torch.cat([out[0].t().reshape(-1), out[1]]) if several else out[0]
+            assert flat.dtype == dtype and flat.device.type == device
+            err = np.abs(flat.cpu().double().numpy() - exact)
+            assert np.all(err <= bound), float(np.max(err / bound))
+            assert job.sessions[r].stats()["allreduces"] == 3  # one call per chunk, in order
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one", "list"])
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "avg"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_stager_on_cpu(dtype: str, average: bool, several: bool) -> None:
+    """Chunk by chunk through float32 host buffers (no pinned memory on the CPU): the sums of 3 ranks
+    within the dtype's bound, one session call per chunk."""
+    staged_case("cpu", getattr(torch, dtype), average, several)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_stager_on_cuda(dtype: str) -> None:
+    """The same through pinned memory and a side stream, device to host and back chunk by chunk."""
+    staged_case("cuda", getattr(torch, dtype), True, False)
+    staged_case("cuda", getattr(torch, dtype), False, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_backend_and_hook(tmp_path: Path) -> None:
+    """CUDA tensors through the backend (SUM, AVG; float32, bfloat16) and DDP on CUDA with the
+    backend and with the hook, against gloo."""
+    n = 2
+    for rank, (code, err) in enumerate(finish(launch("cuda", n, tmp_path))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    for rank in range(n):
+        r = read(tmp_path, rank)
+        assert r["sums_ok"], r
+        assert r["network_calls"] >= 4, r
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"] and r["ddp_hook_max_diff"] <= r["ddp_bound"], r
+        assert r["hook_network"] >= 1 and not r["hook_delegated"], r

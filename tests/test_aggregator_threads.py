@@ -231,5 +231,13 @@ def test_sums_are_exact_and_every_thread_serves_its_slots(threads: int, tmp_path
     # The scrape came after the last allreduce returned: no contribution was added since.
     assert value(samples, "switchagg_job_aggregated_total", job_id="3") == job["aggregated"]
     assert value(samples, "switchagg_packets_received_total") <= c["rx"]
+    for t in range(threads):  # each thread's own series; the totals above are their sums
+        assert value(samples, "switchagg_thread_contributions_total", thread=str(t)) == per_thread[t]
+        assert (
+            0
+            < value(samples, "switchagg_thread_packets_received_total", thread=str(t))
+            <= c["threads"][t]["rx"]
+        )
+        assert value(samples, "switchagg_thread_misrouted_total", thread=str(t)) == 0
     thread_lines = [line for line in out.splitlines() if line.startswith("thread ")]
     assert len(thread_lines) == threads  # the final table: one line per thread

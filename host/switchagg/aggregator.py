@@ -110,6 +110,7 @@ def metrics_sample(
         packets_received=c["rx"],
         packets_sent=c["tx"],
         faults=c.get("faults", {}),
+        threads=c.get("threads", []),
     )
 
 

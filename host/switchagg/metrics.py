@@ -73,6 +73,9 @@ class DataPlaneSample:
     packets_received: int | None = None
     packets_sent: int | None = None
     faults: Mapping[str, int] = field(default_factory=dict)  # the software fault injector's counts
+    # A software aggregator's serving threads, each {"rx", "aggregated", "misrouted", ...}: the
+    # totals above are their sums; these show how the slots' load splits over them.
+    threads: Sequence[Mapping[str, int]] = ()
 
 
 def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
@@ -101,6 +104,30 @@ def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
                 (*SWITCH_LABELS, "fault"),
                 (*where, kind),
                 value,
+            )
+        thread_labels = (*SWITCH_LABELS, "thread")
+        for i, t in enumerate(s.threads):
+            per_thread = (*where, str(i))
+            c.counter(
+                "switchagg_thread_packets_received",
+                "Datagrams one serving thread of a software aggregator received (slot mod threads)",
+                thread_labels,
+                per_thread,
+                t["rx"],
+            )
+            c.counter(
+                "switchagg_thread_contributions",
+                "Contributions one serving thread aggregated, over all jobs",
+                thread_labels,
+                per_thread,
+                t["aggregated"],
+            )
+            c.counter(
+                "switchagg_thread_misrouted",
+                "Datagrams for another thread's slot, dropped (only while the socket group is built)",
+                thread_labels,
+                per_thread,
+                t["misrouted"],
             )
         allocated = sum(j.slots for j in s.jobs)
         c.gauge("switchagg_jobs", "Jobs installed", SWITCH_LABELS, where, len(s.jobs))

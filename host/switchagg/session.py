@@ -8,8 +8,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -221,9 +220,14 @@ class Session:
         session.job_name = job_name
         session.data_plane = a.data_plane
         session.assignment = a
+
         # The membership lives as long as the session: heartbeats keep idle phases from being
-        # reaped, and close() leaves the job.
-        session._membership = jobclient.Membership(service, secret, a, heartbeat_interval).start()
+        # reaped, and close() leaves the job. When the job service says the job is over (torn
+        # down, reaped), the call in progress ends with its reason within a heartbeat interval.
+        def job_over(error: jobclient.JobServiceError) -> None:
+            session.cancel(f"the job service ended job {a.job_id} ({job_name!r}): {error}")
+
+        session._membership = jobclient.Membership(service, secret, a, heartbeat_interval, job_over).start()
         return session
 
     @property

@@ -495,6 +495,8 @@ def test_cli_rejects_a_bad_job(spec: str, message: str) -> None:
     [
         (["--job", "1:2:0:4:8@127.0.0.1:5000,-"], "no --leaf 1:"),
         (["--job", "1:1:0:4:8@127.0.0.1:5000", "--leaf", "2:0@127.0.0.1:6000"], "no --job installs: [2]"),
+        (["--threads", "0"], "0 threads: expected 1..256"),
+        (["--threads", "two"], "'two' is not a number of threads"),
     ],
 )
 def test_cli_rejects_a_bad_leaf(args: list[str], message: str) -> None:

@@ -357,7 +357,7 @@ class JobManager:
                 if isinstance(plane, StripedDataPlane):
                     nodes = plane.choose(pending.shards, self.allocator.free_slots)
                     placement = self.allocator.place_on_all(
-                        plane_name, tuple(pool_key(n) for n in nodes), plane.default_slots
+                        plane_name, tuple(pool_key(n) for n in nodes), plane.shard_slots(pending.shards)
                     )
                     by_rank = dict(zip(ranks, pending.members, strict=True))
                     ports = [by_rank[r].shard_ports for r in range(pending.world_size)]

@@ -159,6 +159,12 @@ class StripedDataPlane:
     def worker_addr(self, rank: int, ip: str, udp_port: int) -> WorkerAddr:
         return WorkerAddr(rank, ip, udp_port)
 
+    def shard_slots(self, shards: int) -> int:
+        """The slots of each shard of an M-shard job: the job's window split over its shards (at
+        least 2 each), so that a worker keeps as many packets in flight as on one aggregator; a
+        window per shard would put M times as much into the worker's own link queue."""
+        return max(2, -(-self.default_slots // shards))
+
     def choose(self, shards: int, free: Callable[[str], int]) -> list[str]:
         """The ``shards`` nodes a new job is striped across: those with the most free slots
         (``free(pool key)``), in pool order."""

@@ -38,11 +38,11 @@ def test_shard_bounds_cover_the_tensor_in_whole_chunks() -> None:
 
 
 def _striped_job(
-    n: int, m: int, key: int = 0x5EC
+    n: int, m: int, key: int = 0x5EC, **faults: float
 ) -> tuple[list[SoftwareAggregator], list[list[_core.Worker]]]:
     """``m`` aggregators, each with the job installed for its shard: its own key, each rank
     pinned to that rank's socket for the shard."""
-    aggs = [SoftwareAggregator("127.0.0.1", 0).start() for _ in range(m)]
+    aggs = [SoftwareAggregator("127.0.0.1", 0, **faults, seed=s + 1).start() for s in range(m)]
     workers = [[_core.Worker("127.0.0.1", 0) for _ in range(m)] for _ in range(n)]
     for s, agg in enumerate(aggs):
         agg.add_job(JOB, n, 0, SLOTS, K, 1, [workers[r][s].address for r in range(n)], key=shard_key(key, s))
@@ -220,3 +220,32 @@ def test_a_rank_that_cannot_make_a_striped_call_aborts_it_everywhere() -> None:
             a.stop()
     assert "aborted" in str(results[0]), results[0]
     assert "int64" in str(results[1]), results[1]
+
+
+def test_a_striped_job_survives_loss_and_duplicates_on_every_node() -> None:
+    """The reliability suite's loss row on a striped job: each of 3 nodes drops 5% and duplicates
+    3% of what it receives and sends; every shard repairs its own losses, every sum is exact."""
+    n, m = 3, 3
+    aggs, workers = _striped_job(n, m, drop_in=0.05, drop_out=0.05, dup_in=0.03, dup_out=0.03)
+
+    def body(r: int) -> list[np.ndarray]:
+        with _session(r, n, aggs, workers, timeout=20.0) as s:
+            out = []
+            for i in range(6):
+                x = (np.arange(20 * K + i, dtype=np.int32) + i) * (r + 1)
+                s.allreduce(x)
+                out.append(x)
+            return out
+
+    try:
+        results = _ranks(n, body)
+        faults = [a.counters()["faults"] for a in aggs]
+    finally:
+        for a in aggs:
+            a.stop()
+    assert all(sum(f.values()) > 0 for f in faults), faults  # every node did drop and duplicate
+    for r, res in enumerate(results):
+        assert isinstance(res, list), f"rank {r}: {res!r}"
+        for i, x in enumerate(res):
+            want = (np.arange(20 * K + i, dtype=np.int64) + i) * (n * (n + 1) // 2)
+            np.testing.assert_array_equal(x, want.astype(np.int32))

@@ -63,6 +63,9 @@ def test_p4_counters_move_as_a_job_runs_and_a_dead_switch_is_down(own_bed: Any, 
             # Every finished allreduce had all its contributions aggregated by the switch.
             aggregated = value(first, "switchagg_job_aggregated_total", **job)
             assert aggregated >= finished * n * CHUNKS
+            # and its bytes: every aggregated frame is an Ethernet/IP/UDP frame of at least a header
+            aggregated_bytes = value(first, "switchagg_job_aggregated_bytes_total", **job)
+            assert aggregated_bytes >= aggregated * (14 + 20 + 8 + protocol.HEADER_LEN)
             assert value(first, "switchagg_job_slots", **job) == 64
             assert value(first, "switchagg_slots_allocated", switch=switch) == 64
             assert value(first, "switchagg_service_jobs", state="active") == 1

@@ -160,6 +160,13 @@ def _lossy_rounds(
         assert value(now, "switchagg_packets_received_total") == value(
             now, "switchagg_worker_packets_sent_total", job_id="5"
         )
+        # Bytes too: what the workers sent (resends included) is what the aggregator received,
+        # and every RESULT it sent is a datagram of a header and K values or fewer.
+        assert value(now, "switchagg_received_bytes_total") == value(
+            now, "switchagg_worker_sent_bytes_total", job_id="5"
+        )
+        sent = value(now, "switchagg_sent_bytes_total")
+        assert 0 < sent <= value(now, "switchagg_packets_sent_total") * protocol.packet_len(K)
     return now
 
 

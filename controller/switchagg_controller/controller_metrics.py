@@ -28,6 +28,7 @@ from switchagg.aggregator import AggregatorHandle
 from switchagg.aggregator_control import RemoteAggregator
 from switchagg_controller import allocation, p4_program
 from switchagg_controller.jobs import JobManager, JobView
+from switchagg_controller.model import Job
 from switchagg_controller.planes import P4DataPlane, SoftwareDataPlane
 from switchagg_controller.supervisor import Counters, SwitchFleet
 from switchagg_controller.two_level_plane import TwoLevelDataPlane
@@ -169,22 +170,23 @@ class ControllerMetrics:
     @staticmethod
     def _p4_sample(p4: P4DataPlane, switch: str, values: Counters, free: int) -> metrics.DataPlaneSample:
         drops = values[p4_program.DROP_COUNTER]
-        jobs = [
-            metrics.JobSample(
+
+        def job_sample(job: Job) -> metrics.JobSample:
+            # A job this switch is a leaf of counts the leaf counters too (as in software).
+            names = p4_program.JOB_COUNTER_NAMES | (
+                p4_program.LEAF_COUNTER_NAMES if p4.is_leaf_of(job, switch) else {}
+            )
+            read = {name: values[counter].get(job.counter_index, (0, 0)) for name, counter in names.items()}
+            return metrics.JobSample(
                 job.job_id,
-                {  # a job this switch is a leaf of counts the leaf counters too (as in software)
-                    name: values[counter].get(job.counter_index, (0, 0))[1]
-                    for name, counter in (
-                        p4_program.JOB_COUNTER_NAMES
-                        | (p4_program.LEAF_COUNTER_NAMES if p4.is_leaf_of(job, switch) else {})
-                    ).items()
-                },
+                {name: packets for name, (_, packets) in read.items()},
                 job.slot_count,
                 job.n,
                 job.name,
+                bytes={name: nbytes for name, (nbytes, _) in read.items()},
             )
-            for job in p4.jobs_on(switch)
-        ]
+
+        jobs = [job_sample(job) for job in p4.jobs_on(switch)]
         return metrics.DataPlaneSample(
             switch=switch,
             data_plane=allocation.P4,

@@ -135,6 +135,7 @@ static void flush_out(struct sa_agg_thread *t) {
         int r = sendmmsg(t->fd, &t->tx_msgs[done], (unsigned)(m - done), 0);
         if (r > 0) {
             t->tx += (uint64_t)r;
+            for (int i = 0; i < r; i++) t->tx_bytes += t->tx_msgs[done + (size_t)i].msg_len;
             done += (size_t)r;
         } else if (r < 0 && errno == EINTR) {
             continue;
@@ -678,6 +679,8 @@ int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
             tc->misrouted = t->misrouted;
             out->rx += t->rx;
             out->tx += t->tx;
+            out->rx_bytes += t->rx_bytes;
+            out->tx_bytes += t->tx_bytes;
             for (int d = 0; d < SA_DROP_NREASONS; d++) {
                 out->drops[d] += t->drops[d];
                 tc->dropped += t->drops[d];
@@ -700,6 +703,7 @@ static void serve_batch(struct sa_agg_thread *t, int got) {
     pthread_mutex_lock(&t->lock);
     for (int i = 0; i < got; i++) {
         t->rx++;
+        t->rx_bytes += t->rx_msgs[i].msg_len;
         int times = 1;
         if (a->drop_in > 0 && sa_rand01(&t->rng) < a->drop_in) {
             t->faults[SA_F_DROPPED_IN]++;

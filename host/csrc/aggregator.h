@@ -53,6 +53,7 @@ struct sa_thread_counters {
 
 struct sa_agg_counters {
     uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N]; /* summed over the threads */
+    uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes, summed over the threads */
     size_t njobs;
     struct sa_job_counters *jobs;    /* malloc'ed */
     int nthreads;
@@ -81,6 +82,7 @@ struct sa_agg_thread {
     /* Held while it serves a batch: add_job, remove_job and counters take every thread's. */
     pthread_mutex_t lock;
     uint64_t rx, tx, misrouted, drops[SA_DROP_NREASONS], faults[SA_F_N];
+    uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes: datagrams as received, results as sent */
     /* Owned by the thread while serving: */
     uint8_t *rx_bufs;
     struct mmsghdr rx_msgs[SA_BATCH];

@@ -109,6 +109,8 @@ def metrics_sample(
         pool_slots=POOL_SLOTS,
         packets_received=c["rx"],
         packets_sent=c["tx"],
+        bytes_received=c.get("rx_bytes"),
+        bytes_sent=c.get("tx_bytes"),
         faults=c.get("faults", {}),
         threads=c.get("threads", []),
     )

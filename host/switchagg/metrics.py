@@ -59,6 +59,8 @@ class JobSample:
     slots: int
     workers: int
     name: str = ""
+    # Bytes per counter, where the data plane counts them (a P4 switch's packets_and_bytes counters).
+    bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class DataPlaneSample:
     pool_slots: int | None = None  # the slot pool's size, when known: slots free = this - allocated
     packets_received: int | None = None
     packets_sent: int | None = None
+    bytes_received: int | None = None  # UDP payload bytes
+    bytes_sent: int | None = None
     faults: Mapping[str, int] = field(default_factory=dict)  # the software fault injector's counts
     # A software aggregator's serving threads, each {"rx", "aggregated", "misrouted", ...}: the
     # totals above are their sums; these show how the slots' load splits over them.
@@ -97,6 +101,16 @@ def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
             )
         if s.packets_sent is not None:
             c.counter("switchagg_packets_sent", "Datagrams sent", SWITCH_LABELS, where, s.packets_sent)
+        if s.bytes_received is not None:
+            c.counter(
+                "switchagg_received_bytes",
+                "UDP payload bytes received",
+                SWITCH_LABELS,
+                where,
+                s.bytes_received,
+            )
+        if s.bytes_sent is not None:
+            c.counter("switchagg_sent_bytes", "UDP payload bytes sent", SWITCH_LABELS, where, s.bytes_sent)
         for kind, value in s.faults.items():
             c.counter(
                 "switchagg_faults_injected",
@@ -151,6 +165,9 @@ def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
             for name in LEAF_COUNTERS:
                 if name in j.counters:
                     c.counter(f"switchagg_job_{name}", _LEAF_HELP[name], JOB_LABELS, labels, j.counters[name])
+            for name, nbytes in j.bytes.items():
+                doc = f"Bytes of the packets in switchagg_job_{name}_total (frames, as the switch counts)"
+                c.counter(f"switchagg_job_{name}_bytes", doc, JOB_LABELS, labels, nbytes)
             c.gauge("switchagg_job_slots", "Slots the job holds (its window)", JOB_LABELS, labels, j.slots)
             c.gauge("switchagg_job_workers", "Ranks of the job", JOB_LABELS, labels, j.workers)
     return c.families()

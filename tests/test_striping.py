@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def test_shard_bounds_cover_the_tensor_in_whole_chunks() -> None:
 
 
 def _striped_job(
-    n: int, m: int, key: int = 0x5EC, **faults: float
+    n: int, m: int, key: int = 0x5EC, **faults: Any
 ) -> tuple[list[SoftwareAggregator], list[list[_core.Worker]]]:
     """``m`` aggregators, each with the job installed for its shard: its own key, each rank
     pinned to that rank's socket for the shard."""

@@ -1,4 +1,5 @@
-"""The controller's mapping onto p4/switchagg.p4: entries, groups, refusals, and names that exist."""
+"""The controller's mapping onto p4/switchagg.p4 (and p4/include/): entries, groups, refusals, and
+names that exist."""
 
 from __future__ import annotations
 
@@ -110,15 +111,30 @@ def test_desired_state_refuses_collisions() -> None:
         p4.desired_state(topo, [a, replace(b, job_id=7)])
 
 
+def _declared_in_p4(name: str) -> bool:
+    """Declared in p4/switchagg.p4's own controls, or in a control of p4/include/ that keeps the
+    name with @name(".MyIngress.x") (the instance's name would otherwise prefix it)."""
+    local = name.split(".", 1)[1]
+    declaration = rf"\b(table|action|counter|register)\b[^;{{]*\b{local}\b"
+    if re.search(declaration, p4.P4_SOURCE.read_text()):
+        return True
+    included = "\n".join(f.read_text() for f in sorted((p4.P4_SOURCE.parent / "include").glob("*.p4")))
+    return re.search(rf'@name\("\.{re.escape(name)}"\)\s*{declaration}', included) is not None
+
+
+def _p4_sources() -> str:
+    files = [p4.P4_SOURCE, *sorted((p4.P4_SOURCE.parent / "include").glob("*.p4"))]
+    return "\n".join(f.read_text() for f in files)
+
+
 def test_names_exist_in_the_p4_source() -> None:
-    src = p4.P4_SOURCE.read_text()
     topo = _topology()
     state = p4.desired_state(topo, [_job()])
     names = {e.table for e in state.entries} | {e.action for e in state.entries}
     names |= {p4.DROP_COUNTER, *p4.JOB_COUNTER_NAMES.values(), *p4.REGISTERS}
     for name in names:
-        local = name.split(".", 1)[1]
-        assert re.search(rf"\b(table|action|counter|register)\b[^;{{]*\b{local}\b", src), name
+        assert _declared_in_p4(name), name
+    src = _p4_sources()
     assert f"const bit<32> MAX_JOBS    = {p4.MAX_JOBS};" in src
     for reason, index in protocol.DROP_INDEX.items():
         assert re.search(rf"const bit<32> DROP_{reason.upper()}\s*= {index};", src), reason
@@ -189,10 +205,8 @@ def test_refuses_leaf_roles_the_program_cannot_run(
 
 
 def test_leaf_names_exist_in_the_p4_source() -> None:
-    src = p4.P4_SOURCE.read_text()
     state = p4.desired_state(_topology(), [_leaf_job()], {7: LEAF})
     names = {e.action for e in state.entries} | set(p4.LEAF_COUNTER_NAMES.values())
     for name in names:
-        local = name.split(".", 1)[1]
-        assert re.search(rf"\b(action|counter)\b[^;{{]*\b{local}\b", src), name
+        assert _declared_in_p4(name), name
     assert set(p4.LEAF_COUNTER_NAMES) == set(protocol.LEAF_COUNTERS)

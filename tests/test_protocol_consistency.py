@@ -11,6 +11,15 @@ import pytest
 from switchagg import _core, protocol
 
 ROOT = Path(__file__).resolve().parents[1]
+# The P4 program: p4/switchagg.p4 composes the controls in p4/include/; the constants and the
+# header types are each in one file there.
+P4_CONSTANTS = ROOT / "p4/include/constants.p4"
+P4_HEADERS = ROOT / "p4/include/headers.p4"
+
+
+def _p4_sources() -> str:
+    files = [ROOT / "p4/switchagg.p4", *sorted((ROOT / "p4/include").glob("*.p4"))]
+    return "\n".join(f.read_text() for f in files)
 
 
 def test_c_constants_match_protocol_py() -> None:
@@ -61,7 +70,7 @@ def test_header_layout_is_28_bytes_big_endian() -> None:
 
 
 def _p4_consts() -> dict[str, int]:
-    text = (ROOT / "p4/switchagg.p4").read_text()
+    text = P4_CONSTANTS.read_text()
     consts = {}
     for name, expr in re.findall(r"const bit<\d+>\s+(\w+)\s*=\s*([^;]+);", text):
         if re.fullmatch(r"[0-9A-Fa-fx+*\s()-]+", expr):  # plain arithmetic on literals only
@@ -84,15 +93,15 @@ def test_p4_constants_match_protocol_py() -> None:
 def test_p4_job_counters_match_protocol_py() -> None:
     """One P4 counter array per protocol.JOB_COUNTERS and LEAF_COUNTERS name (a leaf's job counts
     both), each indexed by the job's counter index."""
-    text = (ROOT / "p4/switchagg.p4").read_text()
+    text = _p4_sources()
     arrays = set(re.findall(r"counter\(MAX_JOBS, CounterType\.packets_and_bytes\)\s+(\w+);", text))
     assert arrays == set(protocol.JOB_COUNTERS + protocol.LEAF_COUNTERS)
 
 
 def test_p4_header_fields_match_protocol_layout() -> None:
-    text = (ROOT / "p4/switchagg.p4").read_text()
+    text = P4_HEADERS.read_text()
     m = re.search(r"header\s+agg_t\s*\{(.*?)\}", text, re.S)
-    assert m is not None, "p4/switchagg.p4 has no agg_t header"
+    assert m is not None, f"{P4_HEADERS} has no agg_t header"
     widths = [int(w) for w in re.findall(r"bit<(\d+)>", m.group(1))]
     names = re.findall(r"bit<\d+>\s+(\w+);", m.group(1))
     assert names == list(protocol.HEADER_FIELDS)

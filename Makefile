@@ -8,7 +8,7 @@ VPY = $(VENV)/bin/python
 PIP = $(VPY) -m pip install -q --disable-pip-version-check
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test reliability install install-dev lint bench bench-testbed p4 docker-images docker-up docker-logs docker-down docker-run docker-files
+.PHONY: demo test reliability install install-dev lint bench bench-testbed p4 docker-tools docker-images docker-up docker-logs docker-down docker-run docker-files
 
 # Made once; a half-made one (python3-venv missing: no pip in it) is removed, so that the next
 # run makes it again. Remove .venv to start afresh.
@@ -18,16 +18,25 @@ $(VPY):
 install: $(VPY)
 	$(PIP) -e .
 
-# torch first, pinned: the CPU wheel; a bare requirement would pull a CUDA build of several GB.
+# torch first, and only if the environment has none (any 2.4+ will do: the one you put there is
+# kept). Which build TORCH gives depends on where pip looks: on x86_64 Linux, PyPI's torch is the
+# CUDA build (several GB with its nvidia packages). For the CPU build, ask the PyTorch CPU index:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (or put a CPU wheel where pip finds it: CI's machines have one through pip's find-links).
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 install-dev: $(VPY)
-	$(PIP) torch==2.13.0
+	$(VPY) -c 'import importlib.metadata as m, sys; v = m.version("torch").split("+")[0]; sys.exit(tuple(map(int, v.split(".")[:2])) < (2, 4))' 2>/dev/null \
+	  || $(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PIP) -e ".[test,controller,torch,metrics]"
 
 demo: install
 	$(VPY) -m switchagg.demo --workers 4 --size 4000000
 
+# PYTEST_ARGS: pytest's arguments, e.g. make test PYTEST_ARGS="tests/test_quantize.py -x"
+PYTEST_ARGS ?=
 test: install-dev
-	$(VPY) -m pytest
+	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # The reliability suite: every test marked `reliability` records its row, and docs/RELIABILITY.md is
 # rewritten from those rows (tools/reliability_table.py). Root for the emulated-rack rows (namespaces,
@@ -56,23 +65,29 @@ p4:
 VARIANT ?= soft
 N ?= 4
 PROJECT ?= switchagg
-DOCKER_TESTBED = $(PY) docker/testbed.py
+# docker/testbed.py runs in .venv too (PyYAML, and pip for the torch wheel): no python3-yaml or
+# python3-pip on the host.
+DOCKER_TESTBED = $(VPY) docker/testbed.py
 
-docker-images:
+docker-tools: $(VPY)
+	$(VPY) -c 'import yaml' 2>/dev/null || $(PIP) PyYAML
+
+docker-images: docker-tools
 	$(DOCKER_TESTBED) images --variant $(VARIANT)
 
+# TRAIN_BACKEND=gloo, TRAIN_ARGS="--epochs 5": from the environment, as for docker-run.
 docker-up: docker-images
 	$(DOCKER_TESTBED) up -p $(PROJECT) --variant $(VARIANT) -n $(N)
 
-docker-logs:
+docker-logs: docker-tools
 	$(DOCKER_TESTBED) logs -p $(PROJECT)
 
-docker-down:
+docker-down: docker-tools
 	$(DOCKER_TESTBED) down -p $(PROJECT)
 
-# One training run: up, every worker's exit code and log, down.
-docker-run: docker-images
+# One training run: images (built once, by run itself), up, every worker's exit code and log, down.
+docker-run: docker-tools
 	$(DOCKER_TESTBED) run -p $(PROJECT) --variant $(VARIANT) -n $(N)
 
-docker-files:
+docker-files: docker-tools
 	$(DOCKER_TESTBED) files

@@ -1,9 +1,10 @@
 #!/bin/sh
 # The entry point of every container on the rack: it turns the interfaces Docker gave the container
-# into rack ports, then execs the command. Each data network "rack<p>" (subnet 10.77.<p>.0/24) is
-# one cable from switch port p to one worker; Docker's address on it only tells which cable an
-# interface is, and is removed, so that the cable carries nothing but rack traffic (10.201.0.0/24,
-# as in lab/switchagg_lab/testbed/rack.py).
+# into rack ports, then execs the command. Each data network "rack<p>" (subnet
+# $RACK_CABLE_NET.<p>.0/24; RACK_CABLE_NET=10.B is the project's, chosen by `docker/testbed.py up`,
+# 10.77 if unset) is one cable from switch port p to one worker; Docker's address on it only tells
+# which cable an interface is, and is removed, so that the cable carries nothing but rack traffic
+# (10.201.0.0/24, as in lab/switchagg_lab/testbed/rack.py).
 #
 #   rack-entry.sh worker PORT CMD...      the cable of port PORT gets 02:5a:00:00:00:PORT and
 #                                         10.201.0.PORT/24, checksum offload off; GLOO_SOCKET_IFNAME
@@ -17,9 +18,11 @@ role=$1
 count=$2
 shift 2
 
-# The interface whose Docker address is in 10.77.<port>.0/24.
+net=${RACK_CABLE_NET:-10.77}
+
+# The interface whose Docker address is in $net.<port>.0/24.
 cable() {
-  ip -o -4 addr show | awk -v net="10.77.$1." 'index($4, net) == 1 { print $2; exit }'
+  ip -o -4 addr show | awk -v net="$net.$1." 'index($4, net) == 1 { print $2; exit }'
 }
 
 bare() {  # $1: the interface; no Docker address, no checksum offload (bmv2 needs finished checksums)
@@ -30,7 +33,7 @@ bare() {  # $1: the interface; no Docker address, no checksum offload (bmv2 need
 case $role in
 worker)
   ifname=$(cable "$count")
-  [ -n "$ifname" ] || { echo "rack-entry: no interface in 10.77.$count.0/24" >&2; exit 1; }
+  [ -n "$ifname" ] || { echo "rack-entry: no interface in $net.$count.0/24" >&2; exit 1; }
   bare "$ifname"
   ip link set dev "$ifname" address "$(printf '02:5a:00:00:00:%02x' "$count")"
   ip addr add "10.201.0.$count/24" dev "$ifname"

@@ -10,25 +10,31 @@
     docker/testbed.py files                        rewrite the committed docker/compose.*.yml, topology.yaml
     docker/testbed.py base                         only the Debian base image
 
-The rack: switch port p (1..n) is its own internal Docker network rack<p> (10.77.<p>.0/24) shared
+The rack: switch port p (1..n) is its own internal Docker network rack<p> (10.B.<p>.0/24) shared
 by the switch container and worker p-1 only; docker/rack-entry.sh turns those interfaces into rack
 ports with the addresses of lab/switchagg_lab/testbed/rack.py (10.201.0.p, aggregator
 10.201.0.254). Rendezvous, gloo and aggregation traffic cross the switch; the job service and
-P4Runtime use the internal network mgmt. Nothing is published or routed off the host.
+P4Runtime use the internal network mgmt (10.B.0.0/24). Nothing is published or routed off the host.
+Each project gets a /16 of its own, 10.B.0.0/16 (B from 77 up: the first that no Docker network
+on the engine overlaps), so several testbeds (-p) share one engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import configparser
+import contextlib
+import fcntl
+import ipaddress
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,7 @@ BACKENDS = ("switchagg", "gloo")
 MAX_WORKERS = 32
 
 BASE_IMAGE = "switchagg-base:bookworm"
+BUILD_IMAGE = "switchagg-build:dev"  # Dockerfile.node's build stage, tagged: the cache of the wheel
 CONTROLLER_IMAGE = "switchagg-controller:dev"
 WORKER_IMAGE = "switchagg-worker:dev"
 BMV2_SWITCH_IMAGE = "switchagg-bmv2-switch:dev"
@@ -49,12 +56,17 @@ P4RT_SHELL_IMAGE = "switchagg-p4rt-shell:dev"
 P4_IMAGE_DEFAULT = "p4lang/behavioral-model:latest"
 LOCAL_P4_IMAGE = "switchagg-p4:local"  # what docker/p4-image-from-prefix.sh makes
 IMAGE_LABEL = "org.switchagg.testbed=1"  # on every image built here (the Dockerfiles)
+# Held while images are built or a project's networks are chosen and made: one engine, several
+# checkouts or test runs (a file lock, released when the process ends however it ends).
+LOCK_FILE = Path(tempfile.gettempdir()) / "switchagg-docker-testbed.lock"
 
 # Addresses: the rack is lab/switchagg_lab/testbed/rack.py's; Docker's own subnets only cable it.
 RACK_SUBNET = "10.201.0."
 AGG_IP = "10.201.0.254"
 AGG_MAC = "02:5a:00:00:00:fe"
-MGMT_SUBNET = "10.76.0."
+# Docker's subnets, per project: 10.B.0.0/24 is mgmt, 10.B.p.0/24 the cable of switch port p.
+NET_FIRST, NET_LAST = 77, 199  # B
+DEFAULT_NET = NET_FIRST  # the committed compose files'
 JOB_SERVICE_PORT = 50051
 P4RUNTIME_PORT = 9559
 MASTER_PORT = 29500
@@ -62,6 +74,8 @@ DEFAULT_SECRET = "switchagg-docker-testbed"  # internal networks only; override 
 # train_digits.py's options: bmv2 forwards a few thousand packets a second, so its run trains a
 # narrower model (1.5k parameters, 24 packets per rank and step) than the soft one (26k).
 TRAIN_ARGS = {"soft": "", "bmv2": "--hidden 16"}
+TORCH_REQUIREMENT = "torch==2.13.0"  # the worker image's (the Makefile's pin)
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 RULE_TAG = "switchagg-docker"  # the comment on every host firewall rule `up` adds
 
 
@@ -73,8 +87,12 @@ def rack_mac(port: int) -> str:
     return f"02:5a:00:00:00:{port:02x}"
 
 
-def cable_subnet(port: int) -> str:
-    return f"10.77.{port}.0/24"
+def cable_subnet(port: int, net: int = DEFAULT_NET) -> str:
+    return f"10.{net}.{port}.0/24"
+
+
+def project_network(net: int) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network(f"10.{net}.0.0/16")
 
 
 # -- the compose file ------------------------------------------------------------------------
@@ -112,13 +130,17 @@ def topology_text(n: int) -> str:
     return header + yaml.safe_dump(doc, sort_keys=False)
 
 
-def compose(variant: str, n: int) -> dict[str, Any]:
+def compose(variant: str, n: int, net: int = DEFAULT_NET) -> dict[str, Any]:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     if not 1 <= n <= MAX_WORKERS:
         raise ValueError(f"a rack has 1..{MAX_WORKERS} workers, not {n}")
-    secret = {"SWITCHAGG_SECRET": f"${{SWITCHAGG_SECRET:-{DEFAULT_SECRET}}}"}
-    cables = {f"rack{p}": {"ipv4_address": f"10.77.{p}.254"} for p in range(1, n + 1)}
+    if not NET_FIRST <= net <= NET_LAST:
+        raise ValueError(f"the project's network is 10.B.0.0/16 with B in {NET_FIRST}..{NET_LAST}, not {net}")
+    mgmt_subnet = f"10.{net}.0."
+    # rack-entry finds each cable by its Docker address, in 10.<net>.<port>.0/24
+    common = {"SWITCHAGG_SECRET": f"${{SWITCHAGG_SECRET:-{DEFAULT_SECRET}}}", "RACK_CABLE_NET": f"10.{net}"}
+    cables = {f"rack{p}": {"ipv4_address": f"10.{net}.{p}.254"} for p in range(1, n + 1)}
     services: dict[str, Any] = {}
     if variant == "soft":
         # The software aggregator (inside the job service) at the rack's aggregator address, on a
@@ -128,8 +150,8 @@ def compose(variant: str, n: int) -> dict[str, Any]:
             "image": CONTROLLER_IMAGE,
             "command": ["soft-switch", str(n), *soft],
             "cap_add": ["NET_ADMIN"],
-            "environment": secret,
-            "networks": {"mgmt": {"ipv4_address": f"{MGMT_SUBNET}2", "aliases": ["controller"]}, **cables},
+            "environment": common,
+            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}2", "aliases": ["controller"]}, **cables},
             "healthcheck": _healthcheck(_port_open(JOB_SERVICE_PORT)),
         }
         service_host = "switch"
@@ -140,7 +162,8 @@ def compose(variant: str, n: int) -> dict[str, Any]:
             "image": BMV2_SWITCH_IMAGE,
             "command": ["bmv2-switch", str(n), *bmv2, "--", "--grpc-server-addr", grpc],
             "cap_add": ["NET_ADMIN"],
-            "networks": {"mgmt": {"ipv4_address": f"{MGMT_SUBNET}2"}, **cables},
+            "environment": {"RACK_CABLE_NET": f"10.{net}"},
+            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}2"}, **cables},
             "healthcheck": _healthcheck(_port_open(P4RUNTIME_PORT)),
         }
         p4 = ["--p4-json", "/src/p4/build/switchagg.json", "--p4info", "/src/p4/build/switchagg.p4info.txtpb"]
@@ -148,9 +171,9 @@ def compose(variant: str, n: int) -> dict[str, Any]:
             "image": CONTROLLER_IMAGE,
             "entrypoint": [],
             "command": _serve(["--topology", "/etc/switchagg/topology.yaml", *p4]),
-            "environment": secret,
+            "environment": common,
             "volumes": ["./topology.yaml:/etc/switchagg/topology.yaml:ro"],
-            "networks": {"mgmt": {"ipv4_address": f"{MGMT_SUBNET}3"}},
+            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}3"}},
             "depends_on": {"switch": {"condition": "service_healthy"}},
             "healthcheck": _healthcheck(_port_open(JOB_SERVICE_PORT)),
         }
@@ -183,7 +206,7 @@ def compose(variant: str, n: int) -> dict[str, Any]:
             "command": ["worker", str(port), "sh", "-c", train],
             "cap_add": ["NET_ADMIN"],
             "environment": {
-                **secret,
+                **common,
                 "TRAIN_BACKEND": "${TRAIN_BACKEND:-switchagg}",
                 "TRAIN_ARGS": f"${{TRAIN_ARGS:-{TRAIN_ARGS[variant]}}}",
                 "SWITCHAGG_JOB_SERVICE": f"{service_host}:{JOB_SERVICE_PORT}",
@@ -191,14 +214,14 @@ def compose(variant: str, n: int) -> dict[str, Any]:
                 "OMP_NUM_THREADS": "1",
             },
             "networks": {
-                "mgmt": {"ipv4_address": f"{MGMT_SUBNET}{10 + rank}"},
-                f"rack{port}": {"ipv4_address": f"10.77.{port}.2"},
+                "mgmt": {"ipv4_address": f"{mgmt_subnet}{10 + rank}"},
+                f"rack{port}": {"ipv4_address": f"10.{net}.{port}.2"},
             },
             "depends_on": {service_host: {"condition": "service_healthy"}},
         }
-    networks: dict[str, Any] = {"mgmt": _network(f"{MGMT_SUBNET}0/24")}
+    networks: dict[str, Any] = {"mgmt": _network(f"{mgmt_subnet}0/24")}
     for p in range(1, n + 1):
-        networks[f"rack{p}"] = _network(cable_subnet(p))
+        networks[f"rack{p}"] = _network(cable_subnet(p, net))
     return {"version": "2.4", "services": services, "networks": networks}
 
 
@@ -206,13 +229,14 @@ def _network(subnet: str) -> dict[str, Any]:
     return {"internal": True, "ipam": {"config": [{"subnet": subnet}]}}
 
 
-def compose_text(variant: str, n: int) -> str:
+def compose_text(variant: str, n: int, net: int = DEFAULT_NET) -> str:
     header = (
         f"# The docker testbed, {variant} variant, {n} workers (docs/DOCKER.md).\n"
         f"# Generated by `docker/testbed.py compose --variant {variant} -n {n}`; do not edit.\n"
+        f"# Docker's subnets: 10.{net}.0.0/16 (`up` chooses one per project).\n"
         "# Images: `docker/testbed.py images`; host firewall rules, clean-up: `docker/testbed.py up/down`.\n"
     )
-    return header + yaml.safe_dump(compose(variant, n), sort_keys=False, width=200)
+    return header + yaml.safe_dump(compose(variant, n, net), sort_keys=False, width=200)
 
 
 # -- images ----------------------------------------------------------------------------------
@@ -225,6 +249,29 @@ def sh(*argv: str, check: bool = True, capture: bool = False, **kw: Any) -> subp
 
 def image_exists(name: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0
+
+
+def image_id(name: str) -> str | None:
+    out = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", name], capture_output=True, text=True
+    )
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    """One builder (or network chooser) at a time on this machine: the images and the subnets
+    are the engine's, shared by every checkout and test run."""
+    with open(LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another build or up ({LOCK_FILE})", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def debian_mirror() -> str:
@@ -243,42 +290,77 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
+def import_image(tar_argv: Sequence[str], tag: str) -> bool:
+    """`docker import` of what ``tar_argv`` writes, tagged ``tag`` unless an image has that tag
+    already (made meanwhile by another process: ours is then removed, so no untagged image is
+    left). True if ours became ``tag``."""
+    tar = subprocess.Popen(list(tar_argv), stdout=subprocess.PIPE)
+    change = ["--change", f"LABEL {IMAGE_LABEL}"]
+    imported = sh("docker", "import", *change, "-", stdin=tar.stdout, capture=True).stdout.strip()
+    if tar.wait() != 0:
+        subprocess.run(["docker", "rmi", imported], capture_output=True)
+        raise SystemExit(f"{' '.join(tar_argv)} failed")
+    if image_exists(tag):
+        subprocess.run(["docker", "rmi", imported], capture_output=True)
+        return False
+    sh("docker", "tag", imported, tag)
+    return True
+
+
 def build_base() -> None:
+    with engine_lock():
+        _build_base()
+
+
+def _build_base() -> None:
     if image_exists(BASE_IMAGE):
         return
     if shutil.which("debootstrap") is None:
         raise SystemExit("debootstrap is needed to make the base image (apt-get install debootstrap)")
     with tempfile.TemporaryDirectory(prefix="switchagg-rootfs-") as root:
         sh("debootstrap", "--variant=minbase", "bookworm", root, debian_mirror(), stdout=subprocess.DEVNULL)
-        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
-        sh("docker", "import", "-", BASE_IMAGE, stdin=tar.stdout, stdout=subprocess.DEVNULL)
-        if tar.wait() != 0:
-            raise SystemExit("tar of the base file system failed")
+        import_image(["tar", "-C", root, "-c", "."], BASE_IMAGE)
 
 
 def torch_wheel(dest: Path) -> Path:
-    """The torch wheel `pip install torch==2.13.0` resolves to here ($TORCH_WHEEL to choose one)."""
+    """The CPU torch wheel for the worker image: $TORCH_WHEEL if set, else the one
+    `pip download torch==2.13.0` resolves to with this machine's pip settings (a local CPU wheel
+    through find-links, say) if it is a CPU build, else the one from the PyTorch CPU index (on
+    x86_64, PyPI's torch is the CUDA build: several GB with its nvidia packages)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("*.whl"):
-        old.unlink()
     given = os.environ.get("TORCH_WHEEL")
     if given:
+        for old in dest.glob("*.whl"):
+            old.unlink()
         target = dest / Path(given).name
         shutil.copy(given, target)
         return target
-    sh(
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "-q",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        "-d",
-        str(dest),
-        "torch==2.13.0",
-    )
+    # Into a fresh folder, then moved: the wheel already in dest stays if it is the same file, so
+    # its modification time does not change (the image cache keys on contents anyway).
+    with tempfile.TemporaryDirectory(prefix="torch-", dir=dest.parent) as tmp:
+        wheel = _download_torch(Path(tmp), [])
+        if platform.machine() == "x86_64" and "+cpu" not in wheel.name:
+            print(f"{wheel.name} is not a CPU build: trying {TORCH_CPU_INDEX}", file=sys.stderr)
+            wheel.unlink()
+            try:
+                wheel = _download_torch(Path(tmp), ["--index-url", TORCH_CPU_INDEX])
+            except (subprocess.CalledProcessError, SystemExit) as e:
+                raise SystemExit(
+                    f"no CPU build of {TORCH_REQUIREMENT} from {TORCH_CPU_INDEX} ({e}): "
+                    "set TORCH_WHEEL to the path of a CPU wheel"
+                ) from e
+        target = dest / wheel.name
+        for old in dest.glob("*.whl"):
+            if old.name != wheel.name:
+                old.unlink()
+        if not (target.exists() and target.stat().st_size == wheel.stat().st_size):
+            shutil.move(str(wheel), target)
+    return target
+
+
+def _download_torch(dest: Path, extra: list[str]) -> Path:
+    argv = ["-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(dest)]
+    sh(sys.executable, *argv, *extra, TORCH_REQUIREMENT)
     wheels = list(dest.glob("torch-*.whl"))
     if len(wheels) != 1:
         raise SystemExit(f"pip download gave {wheels}, not one torch wheel")
@@ -315,69 +397,114 @@ def pip_settings(dest: Path) -> None:
         conf.write(f)
 
 
-def source_tree(dest: Path) -> None:
+def source_files() -> list[str]:
     """The repository's files as git sees them (tracked and new, not ignored): no build output."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "-z", "-c", "-o", "--exclude-standard"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"the build context is the git checkout's files: git ls-files failed ({e})") from e
+    return sorted({os.fsdecode(n) for n in listed.split(b"\0") if n and (REPO / os.fsdecode(n)).is_file()})
+
+
+def package_files(files: Sequence[str]) -> list[str]:
+    """Those of ``files`` that `pip wheel` reads: pyproject.toml's package and extension source
+    directories, and the project files at the top (README.md is the long description). The
+    wheel's layer is rebuilt only when one of these changes, not for a test or a document."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: everything
+        return list(files)
+    with open(REPO / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)
+    setuptools = project.get("tool", {}).get("setuptools", {})
+    dirs = set(setuptools.get("package-dir", {}).values())
+    dirs |= set(setuptools.get("packages", {}).get("find", {}).get("where", []))
+    for ext in setuptools.get("ext-modules", []):
+        dirs |= {str(Path(src).parent) for src in ext.get("sources", [])}
+    dirs.discard("")
+    if not dirs:  # a flat layout: no way to tell, so everything
+        return list(files)
+    top = {
+        "pyproject.toml",
+        "setup.py",
+        "setup.cfg",
+        "MANIFEST.in",
+        str(project.get("project", {}).get("readme", "")),
+    }
+    return [n for n in files if n in top or any(n.startswith(d.rstrip("/") + "/") for d in dirs)]
+
+
+def copy_files(files: Sequence[str], dest: Path) -> None:
+    """``files`` (relative to the repository) into ``dest``, afresh; links are copied as the files
+    they point to (the controller's P4 artifacts are links into p4/build)."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    files = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "-z", "-c", "-o", "--exclude-standard"],
-        check=True,
-        capture_output=True,
-    ).stdout.split(b"\0")
     for name in files:
-        if not name:
-            continue
-        src = REPO / os.fsdecode(name)
-        if src.is_file():
-            target = dest / os.fsdecode(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, target)
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+
+
+def _build(dockerfile: Path, context: Path, tag: str, *args: str) -> None:
+    argv = ["docker", "build", "-q", "--network", "host", "-f", str(dockerfile), *args, "-t", tag]
+    sh(*argv, str(context), stdout=subprocess.DEVNULL)
 
 
 def build_images(variant: str, p4_image: str | None = None) -> None:
-    build_base()
-    context = BUILD_DIR / "context"
-    source_tree(context / "src")
-    torch_wheel(context / "wheels")
-    pip_settings(context / "pip")
-    dockerfile = str(DOCKER_DIR / "Dockerfile.node")
-    targets = [("controller", CONTROLLER_IMAGE), ("worker", WORKER_IMAGE)]
-    if variant == "bmv2":
-        targets.append(("p4rt-shell", P4RT_SHELL_IMAGE))
-    for target, tag in targets:
-        argv = ["docker", "build", "-q", "--network", "host", "-f", dockerfile, "--target", target]
-        sh(
-            *argv,
-            "--build-arg",
-            f"BASE_IMAGE={BASE_IMAGE}",
-            "-t",
-            tag,
-            str(context),
-            stdout=subprocess.DEVNULL,
-        )
-    if variant == "bmv2":
-        image = p4_image or default_p4_image()
-        argv = [
-            "docker",
-            "build",
-            "-q",
-            "--network",
-            "host",
-            "-f",
-            str(DOCKER_DIR / "Dockerfile.bmv2-switch"),
-        ]
-        sh(
-            *argv,
-            "--build-arg",
-            f"P4_IMAGE={image}",
-            "-t",
-            BMV2_SWITCH_IMAGE,
-            str(DOCKER_DIR),
-            stdout=subprocess.DEVNULL,
-        )
-    # A rebuild leaves the previous images untagged: drop those (tagged images stay, as the cache).
-    sh("docker", "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}", stdout=subprocess.DEVNULL)
+    """The base if missing, then the variant's images; unchanged sources hit the cache throughout
+    (docs/DOCKER.md). One build at a time on this machine (engine_lock)."""
+    started = time.monotonic()
+    with engine_lock():
+        _build_base()
+        context = BUILD_DIR / "context"
+        files = source_files()
+        copy_files(files, context / "src")
+        copy_files(package_files(files), context / "pkg")
+        torch_wheel(context / "wheels")
+        pip_settings(context / "pip")
+        # The build stage is tagged like the others: an untagged stage would be the prune's (and
+        # its layers, the compiled wheel, rebuilt every time).
+        targets = [("build", BUILD_IMAGE), ("controller", CONTROLLER_IMAGE), ("worker", WORKER_IMAGE)]
+        if variant == "bmv2":
+            targets.append(("p4rt-shell", P4RT_SHELL_IMAGE))
+        tags = [tag for _, tag in targets] + ([BMV2_SWITCH_IMAGE] if variant == "bmv2" else [])
+        before = {tag: image_id(tag) for tag in tags}
+        for target, tag in targets:
+            _build(
+                DOCKER_DIR / "Dockerfile.node",
+                context,
+                tag,
+                "--target",
+                target,
+                "--build-arg",
+                f"BASE_IMAGE={BASE_IMAGE}",
+            )
+        if variant == "bmv2":
+            image = p4_image or default_p4_image()
+            _build(
+                DOCKER_DIR / "Dockerfile.bmv2-switch",
+                DOCKER_DIR,
+                BMV2_SWITCH_IMAGE,
+                "--build-arg",
+                f"P4_IMAGE={image}",
+            )
+        remove_replaced(before, {tag: image_id(tag) for tag in tags})
+    print(f"images ready in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+
+def remove_replaced(before: dict[str, str | None], after: dict[str, str | None]) -> None:
+    """Removes the images a rebuild took our tags from, and with them their own untagged layers.
+    Nothing else: no prune, so another build's layers on this engine are never touched, and a
+    replaced image that a container still uses, or that another tag names, stays (docker rmi
+    refuses it)."""
+    keep = set(after.values())
+    for old in {i for i in before.values() if i} - keep:
+        subprocess.run(["docker", "rmi", old], capture_output=True)
 
 
 def default_p4_image() -> str:
@@ -399,12 +526,66 @@ def compose_cmd(project: str, *argv: str) -> list[str]:
     return ["docker-compose", "-p", project, "-f", str(project_dir(project) / "docker-compose.yml"), *argv]
 
 
-def write_project(project: str, variant: str, n: int) -> Path:
+def write_project(
+    project: str, variant: str, n: int, net: int = DEFAULT_NET, env: dict[str, str] | None = None
+) -> Path:
+    """docker/build/<project>/: the compose file, the topology, and .env (what `up` was given, so
+    that a plain `docker-compose -p <project> -f ...` later uses the same)."""
     d = project_dir(project)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "docker-compose.yml").write_text(compose_text(variant, n))
+    (d / "docker-compose.yml").write_text(compose_text(variant, n, net))
     (d / "topology.yaml").write_text(topology_text(n))
+    (d / ".env").write_text("".join(f"{k}={v}\n" for k, v in (env or {}).items()))
     return d
+
+
+def docker_subnets() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 subnet of every network on the engine."""
+    ids = sh("docker", "network", "ls", "-q", capture=True).stdout.split()
+    if not ids:
+        return []
+    fmt = "{{range .IPAM.Config}}{{.Subnet}} {{end}}"
+    out = sh("docker", "network", "inspect", "-f", fmt, *ids, capture=True, check=False).stdout
+    found = []
+    for word in out.split():
+        with contextlib.suppress(ValueError):
+            net = ipaddress.ip_network(word, strict=False)
+            if isinstance(net, ipaddress.IPv4Network):
+                found.append(net)
+    return found
+
+
+def project_net(project: str) -> int | None:
+    """B of the project's 10.B.0.0/16 when its networks exist (an `up` again keeps it)."""
+    label = f"label=com.docker.compose.project={project}"
+    ids = sh("docker", "network", "ls", "-q", "--filter", label, capture=True).stdout.split()
+    if not ids:
+        return None
+    fmt = "{{range .IPAM.Config}}{{.Subnet}} {{end}}"
+    out = sh("docker", "network", "inspect", "-f", fmt, *ids, capture=True, check=False).stdout
+    m = re.search(r"\b10\.(\d+)\.\d+\.0/24\b", out)
+    return int(m.group(1)) if m else None
+
+
+def choose_net(project: str) -> int:
+    """The project's 10.B.0.0/16: its own if its networks exist, else the first from
+    NET_FIRST that no network on the engine overlaps. Call it under engine_lock, with the
+    networks made before the lock is released."""
+    own = project_net(project)
+    if own is not None:
+        return own
+    used = docker_subnets()
+    for net in range(NET_FIRST, NET_LAST + 1):
+        if not any(project_network(net).overlaps(u) for u in used):
+            return net
+    raise SystemExit(
+        f"no free 10.B.0.0/16 (B in {NET_FIRST}..{NET_LAST}) on this engine: `down` a testbed first"
+    )
+
+
+def missing_images(variant: str) -> list[str]:
+    need = [CONTROLLER_IMAGE, WORKER_IMAGE] + ([BMV2_SWITCH_IMAGE] if variant == "bmv2" else [])
+    return [image for image in need if not image_exists(image)]
 
 
 def project_bridges(project: str) -> list[str]:
@@ -458,24 +639,47 @@ def remove_rules(project: str | None) -> int:
     return removed
 
 
+def default_backend() -> str:
+    """$TRAIN_BACKEND, else switchagg."""
+    backend = os.environ.get("TRAIN_BACKEND") or "switchagg"
+    if backend not in BACKENDS:
+        raise SystemExit(f"TRAIN_BACKEND must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    return backend
+
+
 def up(
     project: str,
     variant: str,
     n: int,
-    backend: str = "switchagg",
+    backend: str | None = None,
     train_args: str | None = None,
     start: bool = True,
-) -> None:
-    write_project(project, variant, n)
-    env = {**os.environ, "TRAIN_BACKEND": backend}
+) -> int:
+    """Makes the project's networks, host rules and containers, and starts them (``start``).
+    ``backend``: None is $TRAIN_BACKEND or switchagg; ``train_args``: None is $TRAIN_ARGS or the
+    variant's. Returns the B of the project's 10.B.0.0/16."""
+    missing = missing_images(variant)
+    if missing:
+        raise SystemExit(
+            f"no image {', '.join(missing)}: make docker-images VARIANT={variant} (docker/testbed.py images)"
+        )
+    settings = {"TRAIN_BACKEND": backend or default_backend()}
+    if train_args is None:
+        train_args = os.environ.get("TRAIN_ARGS")
     if train_args is not None:
-        env["TRAIN_ARGS"] = train_args
-    # Networks first, so the host rules are in place before any worker sends.
-    sh(*compose_cmd(project, "up", "--no-start", "--no-build"), env=env, stdout=subprocess.DEVNULL)
+        settings["TRAIN_ARGS"] = train_args
+    env = {**os.environ, **settings}
+    # Networks first, so the host rules are in place before any worker sends; under the lock, so
+    # that two projects coming up at once do not choose the same subnets.
+    with engine_lock():
+        net = choose_net(project)
+        write_project(project, variant, n, net, settings)
+        sh(*compose_cmd(project, "up", "--no-start", "--no-build"), env=env, stdout=subprocess.DEVNULL)
     remove_rules(project)
     allow_bridged(project)
     if start:
         sh(*compose_cmd(project, "up", "-d", "--no-build"), env=env, stdout=subprocess.DEVNULL)
+    return net
 
 
 def workers(project: str) -> list[str]:
@@ -530,7 +734,7 @@ def down(project: str) -> None:
 
 
 def run(
-    project: str, variant: str, n: int, backend: str, timeout: float, train_args: str | None = None
+    project: str, variant: str, n: int, backend: str | None, timeout: float, train_args: str | None = None
 ) -> int:
     try:
         up(project, variant, n, backend, train_args)
@@ -559,11 +763,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.add_argument("-n", type=int, default=4, help="workers (default %(default)s)")
         if name in ("up", "run"):
             c.add_argument(
-                "--backend", choices=BACKENDS, default="switchagg", help="what the workers train with"
+                "--backend",
+                choices=BACKENDS,
+                help="what the workers train with (default: $TRAIN_BACKEND, else switchagg)",
             )
             c.add_argument(
-                "--train-args", help="train_digits.py options (default: the variant's, see TRAIN_ARGS)"
+                "--train-args",
+                help="train_digits.py options (default: $TRAIN_ARGS, else the variant's: TRAIN_ARGS above)",
             )
+        if name == "up":
+            c.add_argument(
+                "--no-start",
+                action="store_true",
+                help="networks, host rules and containers only: start them with docker-compose yourself",
+            )
+        if name == "run":
+            c.add_argument("--no-build", action="store_true", help="use the images as they are")
         if name in ("images", "run"):
             c.add_argument(
                 "--p4-image", help=f"bmv2 image (default: $P4_IMAGE, {LOCAL_P4_IMAGE}, {P4_IMAGE_DEFAULT})"
@@ -582,7 +797,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "images":
         build_images(args.variant, args.p4_image)
     elif args.cmd == "up":
-        up(args.project, args.variant, args.n, args.backend, args.train_args, start=not args.no_start)
+        net = up(args.project, args.variant, args.n, args.backend, args.train_args, start=not args.no_start)
+        print(f"{args.project}: {args.variant}, {args.n} workers, Docker networks in 10.{net}.0.0/16")
+        if args.no_start:
+            print("start it:", " ".join(compose_cmd(args.project, "up")))
+        else:
+            print(f"next: make docker-logs|docker-down PROJECT={args.project}, or docker/testbed.py wait")
     elif args.cmd == "wait":
         codes = wait(args.project, args.timeout)
         print(f"exit codes (rank order): {codes}")
@@ -592,7 +812,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "down":
         down(args.project)
     else:
-        build_images(args.variant, args.p4_image)
+        if not args.no_build:
+            build_images(args.variant, args.p4_image)
         return run(args.project, args.variant, args.n, args.backend, args.timeout, args.train_args)
     return 0
 

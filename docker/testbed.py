@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -307,19 +307,25 @@ def import_image(tar_argv: Sequence[str], tag: str) -> bool:
     return True
 
 
-def build_base() -> None:
+def build_base(tag: str = BASE_IMAGE, make_rootfs: Callable[[str], None] | None = None) -> None:
+    """The Debian base image ``tag`` if missing (``make_rootfs``: debootstrap). Under the lock:
+    two builds at once make one image, never an untagged second."""
     with engine_lock():
-        _build_base()
+        _build_base(tag, make_rootfs)
 
 
-def _build_base() -> None:
-    if image_exists(BASE_IMAGE):
+def _build_base(tag: str = BASE_IMAGE, make_rootfs: Callable[[str], None] | None = None) -> None:
+    if image_exists(tag):
         return
+    with tempfile.TemporaryDirectory(prefix="switchagg-rootfs-") as root:
+        (make_rootfs or debootstrap)(root)
+        import_image(["tar", "-C", root, "-c", "."], tag)
+
+
+def debootstrap(root: str) -> None:
     if shutil.which("debootstrap") is None:
         raise SystemExit("debootstrap is needed to make the base image (apt-get install debootstrap)")
-    with tempfile.TemporaryDirectory(prefix="switchagg-rootfs-") as root:
-        sh("debootstrap", "--variant=minbase", "bookworm", root, debian_mirror(), stdout=subprocess.DEVNULL)
-        import_image(["tar", "-C", root, "-c", "."], BASE_IMAGE)
+    sh("debootstrap", "--variant=minbase", "bookworm", root, debian_mirror(), stdout=subprocess.DEVNULL)
 
 
 def torch_wheel(dest: Path) -> Path:

@@ -1,13 +1,17 @@
 """Shared by the docker testbed tests (tests/ for soft, bmv2_tests/ for bmv2): whether an engine
-answers, and one training run of the compose testbed with what it printed."""
+answers, one training run of the compose testbed with what it printed, and the Makefile's docker
+targets run as a user runs them."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +62,10 @@ class Run:
     finals: list[tuple[str, str, int, int, float, float, str]]  # service, backend, rank, n, loss, %, plane
 
 
+def finals_of(logs: str) -> list[tuple[str, str, int, int, float, float, str]]:
+    return [(m[0], m[1], int(m[2]), int(m[3]), float(m[4]), float(m[5]), m[6]) for m in FINAL.findall(logs)]
+
+
 def train(variant: str, n: int, backend: str, project: str) -> Run:
     """One compose run (images must exist); always brought down."""
     tb = load_testbed()
@@ -67,8 +75,50 @@ def train(variant: str, n: int, backend: str, project: str) -> Run:
         logs = tb.logs(project)
     finally:
         tb.down(project)
-    finals = [(m[0], m[1], int(m[2]), int(m[3]), float(m[4]), float(m[5]), m[6]) for m in FINAL.findall(logs)]
-    return Run(codes, logs, finals)
+    return Run(codes, logs, finals_of(logs))
+
+
+def make(*args: str, env: Mapping[str, str] | None = None, timeout: float = 1800) -> str:
+    """`make ARGS` in the repository as a user runs it (stdout and stderr together); fails the
+    test on a non-zero exit. VPY is this interpreter (the one with the test dependencies, which
+    the docker targets' .venv would otherwise be made to hold)."""
+    argv = ["make", "--no-print-directory", f"VPY={sys.executable}", *args]
+    out = subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, f"{' '.join(argv)} exited {out.returncode}:\n{out.stdout[-6000:]}"
+    return out.stdout
+
+
+def image_ids(tags: list[str]) -> dict[str, str | None]:
+    tb = load_testbed()
+    return {tag: tb.image_id(tag) for tag in tags}
+
+
+def source_digest() -> str:
+    """Of the files the image build copies: equal digests, equal build contexts."""
+    tb = load_testbed()
+    h = hashlib.sha256()
+    for name in tb.source_files():
+        h.update(name.encode() + b"\0" + (REPO / name).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def dangling_images() -> list[str]:
+    """Untagged images with the testbed's label that nothing builds on (what a prune would take)."""
+    tb = load_testbed()
+    out = subprocess.run(
+        ["docker", "images", "-q", "--filter", "dangling=true", "--filter", f"label={tb.IMAGE_LABEL}"],
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.split()
 
 
 def leftovers(project: str) -> list[str]:

@@ -159,7 +159,9 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
         assert r["hook_state_freed_after_close"]
 
 
-def test_job_service_data_plane(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_job_service_data_plane(tmp_path: Path, lanes: int) -> None:
+    """Through the job service; with 2 lanes each lane is a job of its own ("NAME", "NAME/lane1")."""
     pytest.importorskip("grpc")
     from switchagg_lab.testing.controller import Controller
 
@@ -169,6 +171,7 @@ def test_job_service_data_plane(tmp_path: Path) -> None:
         env = {
             "SWITCHAGG_JOB_SERVICE": controller.address,
             "SWITCHAGG_SECRET_FILE": str(controller.secret_file),
+            "SWITCHAGG_LANES": str(lanes),
         }
         procs = launch("job_service", n, tmp_path, **env)
         for rank, (code, err) in enumerate(finish(procs)):
@@ -181,6 +184,7 @@ def test_job_service_data_plane(tmp_path: Path) -> None:
         assert r["int32_equal_exact"] and r["network_allreduces"] == 1
         assert not r["embedded_aggregator"] and r["data_plane"] == "software"
         assert r["rank"] == rank and r["job_id"] == results[0]["job_id"]
+        assert len(set(r["lane_jobs"])) == lanes and r["lane_jobs"] == results[0]["lane_jobs"]
     assert "torch-127.0.0.1" not in jobs_after  # both ranks left the job on close
 
 
@@ -313,3 +317,58 @@ def test_live_peer_slower_than_the_group_timeout_fails_after_it(tmp_path: Path) 
     r = read(tmp_path, 0)
     assert r["backend"]["error"] == "SwitchaggTimeout", r
     assert "for 4.0 s" in r["backend"]["message"], r
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["L2", "L3"])
+def lanes_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    """3 ranks with SWITCHAGG_LANES=2 and 3 (tests/torch_backend_worker.py, scenario_lanes)."""
+    n, lanes = 3, int(request.param)
+    out = tmp_path_factory.mktemp(f"lanes{lanes}")
+    for rank, (code, err) in enumerate(finish(launch("lanes", n, out, SWITCHAGG_LANES=str(lanes)))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [read(out, r) for r in range(n)]
+
+
+def test_lanes_are_jobs_of_their_own(lanes_run: list[dict[str, Any]]) -> None:
+    """One job per lane on the embedded aggregator, on disjoint slot ranges (the window split, at
+    least 2 each), and every lane carried calls."""
+    for r in lanes_run:
+        lanes = r["lanes"]
+        assert r["lane_jobs"] == list(range(1, lanes + 1))
+        ranges = r["lane_slots"]
+        assert all(count >= 2 for _, count in ranges)
+        assert all(ranges[i][0] + ranges[i][1] <= ranges[i + 1][0] for i in range(lanes - 1)), ranges
+        assert all(calls > 0 for calls in r["lane_calls"]), r["lane_calls"]
+    assert len({tuple(r["lane_calls"]) for r in lanes_run}) == 1  # the same calls on every rank's lanes
+
+
+def test_lanes_concurrent_calls_are_exact_and_bounded(lanes_run: list[dict[str, Any]]) -> None:
+    """Many async allreduces in flight at once over the lanes, int32/float32/bfloat16, SUM/AVG, one
+    staged list: int32 exact, floats within precision.error_bound, on every rank."""
+    for r in lanes_run:
+        assert not r["lane_wrong"], r["lane_wrong"]
+        print(f"lanes={r['lanes']}: worst float error {r['lane_worst_over_bound']:.3f} x the bound")
+
+
+def test_lanes_ddp_matches_gloo(lanes_run: list[dict[str, Any]]) -> None:
+    for r in lanes_run:
+        assert r["ddp_grads_nonzero"]
+        assert r["ddp_backend_network_allreduces"] >= 3 and r["ddp_hook_network_allreduces"] >= 3
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"]
+        assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
+        assert r["trained_identical"]
+
+
+def test_lanes_mismatch_fails_every_rank(lanes_run: list[dict[str, Any]]) -> None:
+    """The second of three calls differs on rank 0 (100000 elements against 200000): it fails on
+    every rank naming both lengths, and the group's later calls fail at once on every rank."""
+    for r in lanes_run:
+        second = r["mismatch"][1]
+        assert second is not None and second["is_switchagg_error"], r["mismatch"]
+        assert "100000" in second["message"] and "200000" in second["message"], second
+        # On the failed lane: "an earlier call ... failed"; on another: "lane l of L failed: ...".
+        after = r["after"]
+        assert after is not None and after["error"] in ("SwitchaggError", "SwitchaggTimeout"), after
+        assert "failed" in after["message"] and "100000" in after["message"], after

@@ -57,7 +57,7 @@ def float_bound(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def network_allreduces(pg: Any) -> int:
-    return int(pg.data_plane.session.stats()["allreduces"])
+    return int(pg.data_plane.stats()["allreduces"])  # summed over the lanes
 
 
 def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
@@ -273,7 +273,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     hooked = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
     hooked.register_comm_hook(state, satorch.allreduce_hook)
     hooked_grads = grads(hooked, x)
-    hook_calls = int(state.plane.session.stats()["allreduces"]) if state.plane else 0
+    hook_calls = int(state.plane.stats()["allreduces"]) if state.plane else 0
     state.close()
     # A closed state is not kept alive until exit (its atexit registration did; DDP's reducer
     # keeps the state it was given, so this one is not given to DDP).
@@ -375,6 +375,12 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
         result["ddp_error"] = type(e).__name__
         result["ddp_message"] = str(e)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:  # rank 0 serves the store: leaving first would show the others "store unreachable"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            (out_dir / f"rank{r}.json").exists() for r in range(n - 1)
+        ):
+            time.sleep(0.05)
 
 
 def timed_allreduce(t: torch.Tensor, group: Any = None) -> dict[str, Any]:
@@ -505,9 +511,17 @@ def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
     t = rank_input(rank, 2 * K + 3, torch.int32, 3)
     dist.all_reduce(t)
     exact = torch.stack([rank_input(r, 2 * K + 3, torch.int32, 3).long() for r in range(n)]).sum(0).int()
+    # One more call per lane after the first: with lanes, each lane's job must carry it.
+    extra = [torch.full((K + 1,), rank + 1, dtype=torch.int32) for _ in range(len(plane.lanes) - 1)]
+    works = [dist.all_reduce(x, async_op=True) for x in extra]
+    for w in works:
+        assert w is not None
+        w.wait()
+    tri = n * (n + 1) // 2
     result = {
-        "int32_equal_exact": bool(torch.equal(t, exact)),
-        "network_allreduces": network_allreduces(pg),
+        "int32_equal_exact": bool(torch.equal(t, exact)) and all(bool((x == tri).all()) for x in extra),
+        "lane_jobs": [s.assignment.job_id for s in plane.lanes.sessions],
+        "network_allreduces": network_allreduces(pg) - len(extra),
         "embedded_aggregator": plane.aggregator is not None,
         "data_plane": plane.session.data_plane,
         "job_id": plane.session.assignment.job_id,
@@ -679,9 +693,7 @@ def scenario_grad_scaler(rank: int, n: int, out_dir: Path) -> None:
     hooked = DDP(scaler_model(), process_group=gloo_group)
     hooked.register_comm_hook(state, satorch.allreduce_hook)
     result["hook"] = train_with_scaler(hooked, rank, n)
-    result["hook"]["network_allreduces"] = (
-        int(state.plane.session.stats()["allreduces"]) if state.plane else 0
-    )
+    result["hook"]["network_allreduces"] = int(state.plane.stats()["allreduces"]) if state.plane else 0
     dist.barrier()
     state.close()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
@@ -708,7 +720,115 @@ def scenario_mismatched_calls(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+# Lanes (tests/test_torch_backend.py, test_lanes_*): bucket-like calls of several sizes and dtypes,
+# issued back to front as DDP issues its buckets, all in flight before the first is waited for.
+LANE_CALLS = [
+    (3 * K + 17, torch.int32, "sum"),
+    (100, torch.float32, "sum"),
+    (5 * K, torch.float32, "sum"),
+    (1, torch.int32, "sum"),
+    (2 * K + 3, torch.bfloat16, "avg"),
+    (40_000, torch.int32, "sum"),
+    (7, torch.float32, "avg"),
+    (K, torch.float32, "sum"),
+    (2 * K + 1, torch.int32, "sum"),  # a list of two tensors: staged, coalesced into one call
+]
+
+
+def _lane_inputs(rank: int, size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return rank_input(rank, size, torch.int32 if dtype == torch.int32 else torch.float32, seed).to(dtype)
+
+
+def check_lane_calls(pg: Any, rank: int, n: int, rounds: int) -> dict[str, Any]:
+    """Every round issues all LANE_CALLS asynchronously (the last first) and then waits: int32 sums
+    exact, float sums (means) within precision.error_bound, on every call of every round."""
+    wrong: list[str] = []
+    worst = 0.0
+    for rnd in range(rounds):
+        pending = []
+        for i, (size, dtype, op) in reversed(list(enumerate(LANE_CALLS))):
+            seed = 1000 * rnd + i
+            mine = _lane_inputs(rank, size, dtype, seed)
+            reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+            if i == len(LANE_CALLS) - 1:  # a list, one of it non-contiguous
+                half = size // 2
+                parts = [mine[:half].clone(), mine[half:].clone().view(1, -1).t()]
+                work = pg.allreduce(parts)
+                pending.append((i, seed, parts, work))
+            else:
+                work = dist.all_reduce(mine, op=reduce_op, async_op=True)
+                pending.append((i, seed, [mine], work))
+        for i, seed, parts, work in pending:
+            work.wait()
+            size, dtype, op = LANE_CALLS[i]
+            got = torch.cat([p.reshape(-1) for p in parts])
+            inputs = [_lane_inputs(r, size, dtype, seed) for r in range(n)]
+            if dtype == torch.int32:
+                exact = torch.stack([x.long() for x in inputs]).sum(0).int()
+                if not torch.equal(got, exact):
+                    wrong.append(f"round {rnd} call {i}: int32 sum of {size} differs")
+                continue
+            exact64 = torch.stack([x.double() for x in inputs]).sum(0).numpy()
+            if op == "avg":
+                exact64 = exact64 / n
+            bound = precision.error_bound(dtype, n, block_exponents(inputs), exact64, op == "avg")
+            over = float(np.max(np.abs(got.double().numpy() - exact64) / bound))
+            worst = max(worst, over)
+            if over > 1.0:
+                wrong.append(f"round {rnd} call {i}: {dtype} {op} of {size} at {over:.3g} x the bound")
+    return {"lane_wrong": wrong, "lane_worst_over_bound": worst}
+
+
+def scenario_lanes(rank: int, n: int, out_dir: Path) -> None:
+    """SWITCHAGG_LANES lanes: concurrent calls of mixed sizes and dtypes, DDP (backend and hook)
+    against gloo, then a call that differs on one lane fails on every rank and ends the group."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    lanes = pg.data_plane.lanes
+    result: dict[str, Any] = {"lanes": len(lanes)}
+    result.update(check_lane_calls(pg, rank, n, rounds=3))
+    result["lane_calls"] = [int(s.stats()["allreduces"]) for s in lanes.sessions]
+    result["lane_jobs"] = [s.job for s in lanes.sessions]
+    result["lane_slots"] = [[s.slot_base, s.slot_count] for s in lanes.sessions]
+    result.update(check_ddp(pg, rank, n))
+
+    # Training: a few SGD steps on the switchagg group; every rank ends with the same parameters.
+    ddp = DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(4):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.zero_grad()
+        ddp(x).pow(2).sum().backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    gathered = [torch.zeros_like(params) for _ in range(n)]
+    dist.all_gather(gathered, params)
+    result["trained_identical"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    dist.barrier()
+
+    # A mismatch on one lane: rank 0's second call has 100000 elements, the others' 200000.
+    sizes = [1000, 100_000 if rank == 0 else 200_000, 3000]
+    works = [dist.all_reduce(torch.ones(m, dtype=torch.int32), async_op=True) for m in sizes]
+    outcomes: list[dict[str, Any] | None] = []
+    for w in works:
+        assert w is not None
+        try:
+            w.wait()
+            outcomes.append(None)
+        except Exception as e:
+            outcomes.append({"error": type(e).__name__, "message": str(e),
+                             "is_switchagg_error": isinstance(e, switchagg.SwitchaggError)})  # fmt: skip
+    result["mismatch"] = outcomes
+    try:  # the group is out of step now: a later call fails at once
+        dist.all_reduce(torch.ones(10))
+        result["after"] = None
+    except Exception as e:
+        result["after"] = {"error": type(e).__name__, "message": str(e)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
+    "lanes": scenario_lanes,
     "mismatched_calls": scenario_mismatched_calls,
     "grad_scaler": scenario_grad_scaler,
     "stress": scenario_stress,

@@ -128,7 +128,7 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
             self._watch.close()
             raise
         self._plane.session.torch_calls = self.calls
-        self._stager = Stager(self._plane.session.allreduce_async, chunk_elements(self._plane.session.k))
+        self._stager = Stager(self._plane.lanes.allreduce_async, chunk_elements(self._plane.lanes.k))
         self._watch.start()
         atexit.register(self.close)
 
@@ -155,7 +155,7 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
     def _peer_gone(self, reason: str) -> None:
         plane = self._plane
         if plane is not None:
-            plane.session.cancel(reason)
+            plane.lanes.cancel(reason)
 
     def close(self) -> None:
         atexit.unregister(self.close)  # a closed group is not kept alive until exit
@@ -198,14 +198,14 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
     def _network_sum(self, tensors: list[torch.Tensor], divide_by: int = 1) -> dist.Work:
         """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
         tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by chunk)."""
-        session = self.data_plane.session
+        lanes = self.data_plane.lanes
         cuda = tensors[0].device.type == "cuda"
         devices: list[int | str | torch.device] | None = [tensors[0].device] if cuda else None
         if sum(t.numel() for t in tensors) == 0:
             return completed_work(tensors, devices)
         t = tensors[0]
         if len(tensors) == 1 and t.device.type == "cpu" and t.dtype in DIRECT and t.is_contiguous():
-            pending = session.allreduce_async(t)
+            pending = lanes.allreduce_async(t)
 
             def finish() -> list[torch.Tensor]:
                 if divide_by != 1:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from switchagg import protocol
+from switchagg.lanes import MAX_LANES, Lanes, lane_slots
 
 if TYPE_CHECKING:
     from switchagg.aggregator import SoftwareAggregator
@@ -39,16 +40,29 @@ class Exchange(Protocol):
         ...
 
 
+# Lanes per group unless SWITCHAGG_LANES says (docs/TORCH.md).
+DEFAULT_LANES = 1
+
+
 @dataclass
 class DataPlane:
-    """One rank's Session, plus the aggregator this rank runs (embedded mode, rank 0). In job
-    service mode the session itself heartbeats and leaves the job when closed."""
+    """One rank's lanes (``lanes``: one Session each; ``session`` is lane 0's, whose attributes
+    describe the group's job), plus the aggregator this rank runs (embedded mode, rank 0). In job
+    service mode each lane's session heartbeats and leaves its job when closed."""
 
-    session: Session
+    lanes: Lanes
     aggregator: SoftwareAggregator | None = None
 
+    @property
+    def session(self) -> Session:
+        return self.lanes.sessions[0]
+
+    def stats(self) -> dict[str, int]:
+        """The lanes' counters, summed (``allreduces``: the group's network calls)."""
+        return self.lanes.stats()
+
     def close(self) -> None:
-        self.session.close()
+        self.lanes.close()
         if self.aggregator is not None:
             self.aggregator.stop()
             self.aggregator = None
@@ -91,6 +105,16 @@ def session_timeout() -> float:
     """SWITCHAGG_TIMEOUT: seconds without a heartbeat before a peer counts as gone (and, where no
     process group says otherwise, seconds without progress before a call fails)."""
     return _env_float("SWITCHAGG_TIMEOUT", 10.0)
+
+
+def lanes_wanted() -> int:
+    """SWITCHAGG_LANES: calls of a group on the wire at once (default DEFAULT_LANES)."""
+    return _env_int("SWITCHAGG_LANES", DEFAULT_LANES, 1, MAX_LANES)
+
+
+def lane_job_name(name: str, lane: int) -> str:
+    """The job service's name for lane ``lane`` of job ``name``: lane 0 keeps the name."""
+    return name if lane == 0 else f"{name}/lane{lane}"
 
 
 def _read_secret() -> str:
@@ -193,16 +217,27 @@ def _published(text: str, what: str) -> str:
 
 
 def _open_embedded(
-    rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str
+    rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str, lanes: int
 ) -> DataPlane:
     """Rank 0 runs the aggregator; the job is installed only once every rank's address is known, so
-    that the aggregator accepts each rank from its own socket alone (docs/PROTOCOL.md, Security)."""
+    that the aggregator accepts each rank from its own socket alone (docs/PROTOCOL.md, Security).
+
+    With several lanes every lane is a job of its own on the aggregator (job EMBEDDED_JOB + lane, a
+    slot range of its own out of the window split over the lanes, a result key derived from the
+    group's), and every rank opens one socket per lane."""
     from switchagg.session import Session
+    from switchagg.striping import shard_key
 
     k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
     slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
+    per_lane = slots if lanes == 1 else lane_slots(slots, lanes)
+    if per_lane * lanes > protocol.POOL_SLOT_MASK + 1:
+        raise ValueError(
+            f"SWITCHAGG_LANES={lanes} lanes of {per_lane} slots (SWITCHAGG_SLOTS={slots}) exceed the "
+            f"aggregator's {protocol.POOL_SLOT_MASK + 1} slots"
+        )
     aggregator = None
-    session = None
+    sessions: list[Session] = []
     try:
         if rank == 0:
             try:
@@ -223,20 +258,22 @@ def _open_embedded(
             )
         try:
             check_reachable(address[0], network, network_identity())
-            session = Session(
-                EMBEDDED_JOB,
-                rank,
-                world_size,
-                address,
-                slot_base=0,
-                slot_count=slots,
-                k=k,
-                timeout=timeout,
-                bind=_worker_bind(address[0]),
-                key=key,
-            )
-            session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
-            mine = "{}:{}".format(*session.local_address)
+            for lane in range(lanes):
+                session = Session(
+                    EMBEDDED_JOB + lane,
+                    rank,
+                    world_size,
+                    address,
+                    slot_base=lane * per_lane,
+                    slot_count=per_lane,
+                    k=k,
+                    timeout=timeout,
+                    bind=_worker_bind(address[0]),
+                    key=shard_key(key, lane),
+                )
+                sessions.append(session)
+                session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
+            mine = ",".join("{}:{}".format(*s.local_address) for s in sessions)
         except Exception as e:
             mine = f"{FAILED_MARK}rank {rank}: {type(e).__name__}: {e}"
         addresses = exchange.gather(mine)
@@ -245,9 +282,23 @@ def _open_embedded(
             raise RuntimeError(f"switchagg ranks could not open their data plane: {'; '.join(failed)}")
         if aggregator is not None:
             try:
-                pinned = [parse_host_port(a, f"rank {r}'s address") for r, a in enumerate(addresses)]
+                per_rank = [a.split(",") for a in addresses]
                 generation = random.randint(1, 0xFFFF)
-                aggregator.add_job(EMBEDDED_JOB, world_size, 0, slots, k, generation, pinned, key=key)
+                for lane in range(lanes):
+                    pinned = [
+                        parse_host_port(a[lane], f"rank {r}'s address (lane {lane})")
+                        for r, a in enumerate(per_rank)
+                    ]
+                    aggregator.add_job(
+                        EMBEDDED_JOB + lane,
+                        world_size,
+                        lane * per_lane,
+                        per_lane,
+                        k,
+                        generation,
+                        pinned,
+                        key=shard_key(key, lane),
+                    )
             except Exception as e:
                 exchange.share(f"{FAILED_MARK}{e!r}")
                 raise
@@ -255,14 +306,14 @@ def _open_embedded(
         else:
             _published(exchange.share(None), "install the switchagg job")
     except BaseException:
-        if session is not None:
+        for session in sessions:
             session.close()
         if aggregator is not None:
             aggregator.stop()
         exchange.settle()
         raise
-    assert session is not None  # a rank without a session raised above
-    return DataPlane(session, aggregator)
+    assert len(sessions) == lanes  # a rank without its sessions raised above
+    return DataPlane(Lanes(sessions), aggregator)
 
 
 def open_data_plane(
@@ -272,16 +323,29 @@ def open_data_plane(
     seconds without progress before a call fails (the process group's timeout; default SWITCHAGG_TIMEOUT)."""
     from switchagg.session import Session
 
-    gone_after = session_timeout()  # checks the variable before anything is exchanged
+    gone_after = session_timeout()  # checks the variables before anything is exchanged
+    lanes = lanes_wanted()
     # The C worker takes finite timeouts below 1e9 s; a longer process group timeout means "wait".
     timeout = min(call_timeout, 1e8) if call_timeout is not None and call_timeout > 0 else gone_after
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
     if not service:
-        return _open_embedded(rank, world_size, exchange, timeout, group_tag)
+        return _open_embedded(rank, world_size, exchange, timeout, group_tag, lanes)
     service_host = "" if service.startswith("unix:") else parse_host_port(service, "SWITCHAGG_JOB_SERVICE")[0]
     name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
     bind = _worker_bind(service_host)
     secret = _read_secret()
-    return DataPlane(
-        Session.from_job_service(service, secret, name, world_size, rank=rank, bind=bind, timeout=timeout)
-    )
+    # One job per lane, joined in lane order on every rank (each join waits for the whole group).
+    sessions: list[Session] = []
+    try:
+        for lane in range(lanes):
+            lane_name = lane_job_name(name, lane)
+            sessions.append(
+                Session.from_job_service(
+                    service, secret, lane_name, world_size, rank=rank, bind=bind, timeout=timeout
+                )
+            )
+    except BaseException:
+        for session in sessions:
+            session.close()
+        raise
+    return DataPlane(Lanes(sessions))

@@ -90,7 +90,7 @@ class SwitchaggHookState:
             self._watch.close()
             raise
         self.plane.session.torch_calls = self.calls
-        self._stager = Stager(self.plane.session.allreduce_async, chunk_elements(self.plane.session.k))
+        self._stager = Stager(self.plane.lanes.allreduce_async, chunk_elements(self.plane.lanes.k))
         self._watch.start()
         atexit.register(self.close)
 
@@ -101,7 +101,7 @@ class SwitchaggHookState:
     def _peer_gone(self, reason: str) -> None:
         plane = self.plane
         if plane is not None:
-            plane.session.cancel(reason)
+            plane.lanes.cancel(reason)
 
     def fell_back(self, tensor: torch.Tensor, why: str) -> None:
         """Counted and logged; a one-time warning, since DDP gradients then skip the network."""
@@ -157,7 +157,7 @@ def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.
     if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
         # Divide first, as the default hook does, so results match it to the quantization bound.
         tensor.div_(state.world_size)
-        pending = state.plane.session.allreduce_async(tensor)
+        pending = state.plane.lanes.allreduce_async(tensor)
     else:
         pending = state._stager.run([tensor], state.world_size)
     state._watch.track(pending)

@@ -101,6 +101,7 @@ class Controller:
         self.node_supervisors: list[NodeSupervisor] = []  # watch the remote ones
         self.two_level_nodes: list[AggregatorHandle] = []
         self.reducer_nodes: list[AggregatorHandle] = []
+        self.rails: list[str] = []  # the reducer pool's rails, "name=switch"
         self.max_counter_index = 0
         self.store: Store | None = None
         self.server: grpc.aio.Server | None = None
@@ -186,26 +187,51 @@ class Controller:
         self.node_supervisors.append(NodeSupervisor(NodeWatch(nodes), on_node_restart))
 
     def _build_reducers(self, path: str) -> None:
+        from switchagg_controller.planes import P4DataPlane
         from switchagg_controller.reducers import StripedDataPlane, load_reducers
         from switchagg_controller.software_nodes import NodeSupervisor, NodeWatch, open_all
 
         specs = load_reducers(path)
-        nodes, unreachable = open_all([(f"reducer {s.name}", s.listen, s.remote) for s in specs])
-        self.nodes += nodes
-        self.reducer_nodes = nodes
+        software = [i for i, s in enumerate(specs) if not s.switch]  # the others are rails: P4 switches
+        p4 = next((p for p in self.planes if isinstance(p, P4DataPlane)), None)
+        rails = [s for s in specs if s.switch]
+        if rails and p4 is None:
+            raise ConfigError(f"{path}: rail {rails[0].name} names a switch: serve needs --topology with it")
+        if rails and p4 is not None:
+            if missing := [s.switch for s in rails if s.switch not in p4.topologies]:
+                raise ConfigError(
+                    f"{path}: no switch {missing[0]!r} in the topology ({', '.join(p4.topologies)})"
+                )
+        opened, unreachable = open_all(
+            [(f"reducer {specs[i].name}", specs[i].listen, specs[i].remote) for i in software]
+        )
+        self.nodes += opened
+        self.reducer_nodes = opened
         for warning in unreachable:
             _warn(warning)
-        plane = StripedDataPlane(specs, nodes, k=self.config.sw_k, default_slots=self.config.sw_slots)
+        nodes: list[AggregatorHandle | None] = [None] * len(specs)
+        for i, agg in zip(software, opened, strict=True):
+            nodes[i] = agg
+        plane = StripedDataPlane(
+            specs,
+            nodes,
+            # A rail runs the P4 program's K (and window): so does every shard of a pool with rails.
+            k=protocol.P4_K if rails else self.config.sw_k,
+            default_slots=self.config.p4_slots if rails else self.config.sw_slots,
+            p4=p4,
+        )
         self.planes.append(plane)
+        self.rails = [f"{s.name}={s.switch}" for s in rails]
 
         async def on_node_restart(node: int) -> None:  # a remote reducer restarted or is back: its shards
             if self.manager is not None:
                 jobs = self.manager.jobs(plane.name)  # read on the loop; the node's calls block
-                installed, removed = await asyncio.to_thread(plane.reconcile, node, jobs)
-                name = specs[node].name
+                installed, removed = await asyncio.to_thread(plane.reconcile, software[node], jobs)
+                name = specs[software[node]].name
                 _say(f"reducer {name} reconciled: {installed} shard(s) installed, {removed} removed")
 
-        self.node_supervisors.append(NodeSupervisor(NodeWatch(nodes), on_node_restart))
+        if opened:
+            self.node_supervisors.append(NodeSupervisor(NodeWatch(opened), on_node_restart))
 
     def _build_software(self) -> None:
         from switchagg.aggregator import SoftwareAggregator
@@ -258,6 +284,8 @@ class Controller:
             agg += f" two-level spine {spine} leaves {','.join(leaves)}"
         if self.reducer_nodes:
             agg += " reducers " + ",".join(f"{a.address[0]}:{a.address[1]}" for a in self.reducer_nodes)
+        if self.rails:
+            agg += " rails " + ",".join(self.rails)
         return f"switchagg-ctl: job service on {listen};{agg} {reloaded} job(s) reloaded{metrics}"
 
     async def start(self) -> str:

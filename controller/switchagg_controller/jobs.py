@@ -31,7 +31,7 @@ from switchagg_controller import allocation
 from switchagg_controller.allocation import AllocationError, Placement, SlotAllocator
 from switchagg_controller.model import Job, JobShard
 from switchagg_controller.planes import DataPlane, DataPlaneError
-from switchagg_controller.reducers import STRIPED, StripedDataPlane, pool_key
+from switchagg_controller.reducers import STRIPED, StripedDataPlane
 from switchagg_controller.store import JobRecord, Store
 
 MAX_JOB_ID = 0xFFFF
@@ -54,6 +54,7 @@ class _Member:
     udp_port: int
     requested_rank: int | None
     shard_ports: tuple[int, ...] = ()  # a striped job: the worker's port per shard
+    shard_ips: tuple[str, ...] = ()  # and its IP per shard, where it has one per rail (): ip
 
 
 @dataclass
@@ -163,12 +164,15 @@ class JobManager:
         timeout: float | None = None,
         shards: int = 0,
         shard_ports: tuple[int, ...] = (),
+        shard_ips: tuple[str, ...] = (),
     ) -> Assignment:
         """Waits until the job is complete and installed. A caller cancelled while the others are
         still missing (the worker gave up) is dropped from the job. ``shards`` > 0: stripe the job
-        across that many reducers, ``shard_ports`` this worker's port for each."""
+        across that many reducers, ``shard_ports`` this worker's port for each, ``shard_ips`` its
+        address for each where it has one per rail (() : ``ip`` for all)."""
         self._check_join(name, world_size, ip, udp_port, rank, timeout)
         self._check_shards(udp_port, shards, shard_ports)
+        self._check_shard_ips(ip, shards, shard_ips)
         wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
         for active in self._active.values():
             job = active.record.job
@@ -191,7 +195,7 @@ class JobManager:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"job {name!r} is striped across {pending.shards} reducers, not {shards}",
             )
-        member = _Member(ip, udp_port, rank, tuple(shard_ports))
+        member = _Member(ip, udp_port, rank, tuple(shard_ports), tuple(shard_ips))
         pending.members.append(member)
         if len(pending.members) == pending.world_size:
             del self._pending[name]
@@ -272,6 +276,21 @@ class JobManager:
                 if pool
                 else "this controller has no reducer pool (switchagg-ctl serve --reducers FILE)",
             )
+
+    @staticmethod
+    def _check_shard_ips(ip: str, shards: int, ips: tuple[str, ...]) -> None:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if not ips:
+            return
+        if len(ips) != shards or ips[0] != ip:
+            raise JobError(bad, f"shard_ips names one address per shard ({shards}), the first the join's ip")
+        for other in ips:
+            try:
+                addr = ipaddress.IPv4Address(other)
+            except ValueError:
+                raise JobError(bad, f"shard address {other!r} is not an IPv4 address") from None
+            if addr.is_unspecified or addr.is_multicast or other == "255.255.255.255":
+                raise JobError(bad, f"{other} cannot receive results: join with the worker's own address")
 
     def _drop(self, pending: _Pending, member: _Member) -> None:
         pending.members.remove(member)
@@ -357,11 +376,23 @@ class JobManager:
                 if isinstance(plane, StripedDataPlane):
                     nodes = plane.choose(pending.shards, self.allocator.free_slots)
                     placement = self.allocator.place_on_all(
-                        plane_name, tuple(pool_key(n) for n in nodes), plane.shard_slots(pending.shards)
+                        plane_name,
+                        tuple(dict.fromkeys(plane.node_pool(n) for n in nodes)),
+                        plane.shard_slots(pending.shards),
                     )
                     by_rank = dict(zip(ranks, pending.members, strict=True))
                     ports = [by_rank[r].shard_ports for r in range(pending.world_size)]
-                    shards = plane.shards_of(nodes, placement.slot_base, placement.slot_count, key, ports)
+                    ips = (
+                        [
+                            by_rank[r].shard_ips or (by_rank[r].ip,) * pending.shards
+                            for r in range(pending.world_size)
+                        ]
+                        if any(m.shard_ips for m in pending.members)
+                        else None
+                    )
+                    shards = plane.shards_of(
+                        nodes, placement.slot_base, placement.slot_count, key, ports, ips
+                    )
                 else:
                     placement = self.allocator.place_on_all(
                         plane_name, plane.slot_pools(workers), plane.default_slots
@@ -402,11 +433,19 @@ class JobManager:
         used = set(self._active)
         return next(i for i in range(1, MAX_JOB_ID + 1) if i not in used)
 
+    def _counted(self, plane_name: str) -> bool:
+        """Whether jobs on ``plane_name`` take a P4 counter index: the P4 switches' jobs, and the
+        striped ones where the pool has rails (a rail's shard counts at the job's index)."""
+        striped = self.striped
+        return plane_name == allocation.P4 or (
+            plane_name == STRIPED and striped is not None and striped.has_rails
+        )
+
     def _free_counter_index(self, plane_name: str) -> int:
-        if plane_name != allocation.P4:
+        if not self._counted(plane_name):
             return 0  # only the P4 switch has per-job counter arrays
         used = {
-            a.record.job.counter_index for a in self._active.values() if a.record.data_plane == plane_name
+            a.record.job.counter_index for a in self._active.values() if self._counted(a.record.data_plane)
         }
         for i in range(self.max_counter_index):
             if i not in used:

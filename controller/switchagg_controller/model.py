@@ -100,14 +100,15 @@ class WorkerAddr:
 @dataclass(frozen=True)
 class JobShard:
     """One shard of a job striped across reducers (docs/PROTOCOL.md, Striping): its node, its slot
-    range there, its result key and each rank's UDP port for it (rank order; the IPs are the
-    job's workers')."""
+    range there, its result key and each rank's UDP port for it (rank order), and each rank's IP
+    for it where a worker has one per rail (() : the job's workers' IPs)."""
 
     node: str
     slot_base: int
     slot_count: int
     key: int
     ports: tuple[int, ...]
+    ips: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,9 @@ class P4DataPlane:
         self.k = protocol.P4_K
         self.default_slots = default_slots
         self._jobs: dict[int, Job] = {}
+        # Rails (docs/CONTROLLER.md, Rails): the shards of striped jobs this plane's switches carry,
+        # by switch and job id; each is an ordinary one-switch job there (reducers.StripedDataPlane).
+        self._rails: dict[str, dict[int, Job]] = {}
         self.software_spines = {spine.name: spine for spine, _ in software_spines or []}
         self.spine_planes = {
             spine.name: SoftwareDataPlane(agg, k=self.k, label=f"{self.name}:{spine.name}")
@@ -389,7 +392,110 @@ class P4DataPlane:
                 )
                 jobs.append(view)
                 leaves[job.job_id] = role
+        jobs += sorted(self._rails.get(switch, {}).values(), key=lambda j: j.job_id)
         return p4_program.desired_state(self.topologies[switch], jobs, leaves)
+
+    # -- rails: shards of striped jobs on these switches ---------------------------------------
+
+    def rail_view(self, job: Job, shard: int, switch: str) -> Job:
+        """Shard ``shard`` of striped ``job`` as switch ``switch`` runs it: a one-switch job with the
+        shard's slots and key, every rank pinned by its address and port on that rail (MAC and
+        switch port from the switch's hosts)."""
+        s = job.shards[shard]
+        topology = self.topologies.get(switch)
+        if topology is None:
+            raise DataPlaneError(f"rail {s.node}: no switch {switch!r} in the topology")
+        ranks = sorted(job.workers, key=lambda w: w.rank)
+        ips = s.ips or tuple(w.ip for w in ranks)
+        workers = []
+        for w, ip, port in zip(ranks, ips, s.ports, strict=True):
+            host = topology.host_by_ip(ip)
+            if host is None:
+                raise DataPlaneError(
+                    f"rank {w.rank} of job {job.name!r} joined shard {shard} from {ip}, which is not a host "
+                    f"of switch {switch} (rail {s.node}): a worker joins each rail from its address there"
+                )
+            workers.append(WorkerAddr(w.rank, ip, port, host.mac, host.port))
+        return Job(
+            job.job_id, job.name, job.n, s.slot_base, s.slot_count, self.k, job.generation,
+            tuple(workers), job.counter_index, s.key,
+        )  # fmt: skip
+
+    def rail_jobs(self, switch: str) -> list[Job]:
+        return sorted(self._rails.get(switch, {}).values(), key=lambda j: j.job_id)
+
+    async def install_rails(self, job_id: int, views: dict[str, Job], keep: bool = False) -> None:
+        """Puts job ``job_id``'s rail views (by switch) on their switches, replacing the ones it had;
+        on a failure the previous ones come back (``keep``: a restore, the views stay and the
+        supervisors apply them when the switches connect)."""
+        before = {sw: jobs[job_id] for sw, jobs in self._rails.items() if job_id in jobs}
+        for sw in before:
+            del self._rails[sw][job_id]
+        for sw, view in views.items():
+            self._rails.setdefault(sw, {})[job_id] = view
+        touched = list(dict.fromkeys([*views, *before]))
+        switch = touched[0] if touched else ""
+        try:
+            for switch in touched:
+                await self._push(switch)
+        except Exception as e:
+            if keep:
+                return
+            for sw in views:
+                self._rails[sw].pop(job_id, None)
+            for sw, view in before.items():
+                self._rails.setdefault(sw, {})[job_id] = view
+            for other in touched[: touched.index(switch)]:
+                try:
+                    await self._push(other)
+                except Exception:  # noqa: S110 - the supervisor reapplies the desired state when back
+                    pass
+            from switchagg_controller.supervisor import SwitchUnavailable
+
+            unavailable = isinstance(e, SwitchUnavailable | asyncio.TimeoutError)
+            raise DataPlaneError(
+                f"installing job {job_id} on rail switch {switch} failed: {e}", unavailable
+            ) from e
+
+    async def remove_rails(self, job_id: int) -> None:
+        for switch in [sw for sw, jobs in self._rails.items() if jobs.pop(job_id, None) is not None]:
+            try:
+                await self._push(switch)
+            except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
+                pass
+
+    async def rail_counters(self, labels: dict[str, str], timeout: float = 5.0) -> CounterReading:
+        """The job counters of the rail views on the switches of ``labels`` (switch -> data plane
+        label); a switch that is away is named in ``unavailable``."""
+        from switchagg_controller import p4_program
+        from switchagg_controller.supervisor import read_counters
+
+        supervisors = [self.supervisors[sw] for sw in labels if sw in self.supervisors]
+        read = await read_counters(supervisors, list(p4_program.JOB_COUNTER_NAMES.values()), timeout)
+        reading = CounterReading()
+        for switch, values in read.items():
+            if isinstance(values, Exception):
+                reading.unavailable[labels[switch]] = str(values) or type(values).__name__
+                continue
+            reading.values += self._job_values(labels[switch], values, self.rail_jobs(switch), [])
+        return reading
+
+    @staticmethod
+    def _job_values(
+        plane: str, values: dict[str, dict[int, tuple[int, int]]], jobs: list[Job], leaf_jobs: list[Job]
+    ) -> list[CounterValue]:
+        from switchagg_controller import p4_program
+
+        out = []
+        for counter_names, counted in (
+            (p4_program.JOB_COUNTER_NAMES, jobs),
+            (p4_program.LEAF_COUNTER_NAMES, leaf_jobs),
+        ):
+            for name, counter in counter_names.items():
+                for job in counted:
+                    nbytes, packets = values[counter].get(job.counter_index, (0, 0))
+                    out.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
+        return out
 
     def is_leaf_of(self, job: Job, switch: str) -> bool:
         spine, switches = self.route(job)
@@ -513,12 +619,5 @@ class P4DataPlane:
             ]
             jobs = self.jobs_on(switch)
             leaf_jobs = [j for j in jobs if self.is_leaf_of(j, switch)]
-            for counter_names, counted in (
-                (p4_program.JOB_COUNTER_NAMES, jobs),
-                (p4_program.LEAF_COUNTER_NAMES, leaf_jobs),
-            ):
-                for name, counter in counter_names.items():
-                    for job in counted:
-                        nbytes, packets = values[counter].get(job.counter_index, (0, 0))
-                        reading.values.append(CounterValue(plane, "job", name, job.job_id, packets, nbytes))
+            reading.values += self._job_values(plane, values, jobs, leaf_jobs)
         return reading

@@ -58,6 +58,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 request.timeout_s,
                 request.shards,
                 tuple(request.shard_ports),
+                tuple(request.shard_ips),
             )
         except JobError as e:
             self._observe_join(start, e.code.name.lower())

@@ -53,7 +53,9 @@ def _shards_from(text: str) -> tuple[JobShard, ...]:
     if not text:
         return ()
     return tuple(
-        JobShard(d["node"], d["slot_base"], d["slot_count"], d["key"], tuple(d["ports"]))
+        JobShard(
+            d["node"], d["slot_base"], d["slot_count"], d["key"], tuple(d["ports"]), tuple(d.get("ips", ()))
+        )
         for d in json.loads(text)
     )
 

@@ -85,13 +85,16 @@ def join(
     rank: int | None = None,
     timeout: float = 60.0,
     shard_ports: tuple[int, ...] = (),
+    shard_ips: tuple[str, ...] = (),
 ) -> Assignment:
     """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed.
 
     ``rank``: None for any free rank, else 0..world_size-1; ``timeout``: positive seconds
     (ValueError otherwise; the service checks everything else and answers INVALID_ARGUMENT).
     ``shard_ports``: to join a job striped across ``len(shard_ports)`` reducers, this worker's
-    UDP port for each shard (the first is ``udp_port``); () for a job that is not striped."""
+    UDP port for each shard (the first is ``udp_port``); () for a job that is not striped.
+    ``shard_ips``: a worker with one interface per rail, its address on each (the first is ``ip``);
+    (): ``ip`` for every shard."""
     if rank is not None and not 0 <= rank < max(world_size, 1):
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (None asks for any free rank)")
     if not 0 < timeout < math.inf:
@@ -106,6 +109,7 @@ def join(
         timeout_s=timeout,
         shards=len(shard_ports),
         shard_ports=list(shard_ports),
+        shard_ips=list(shard_ips),
     )
     # The server enforces the join timeout and answers with a clear error; the RPC deadline
     # only has to outlast it.

@@ -175,7 +175,7 @@ class Session:
         job_name: str,
         world_size: int,
         rank: int | None = None,
-        bind: tuple[str, int] = ("127.0.0.1", 0),
+        bind: tuple[str, int] | Sequence[tuple[str, int]] = ("127.0.0.1", 0),
         timeout: float = 10.0,
         join_timeout: float = 60.0,
         heartbeat_interval: float = 2.0,
@@ -186,18 +186,34 @@ class Session:
         heartbeats every ``heartbeat_interval`` seconds while it lives and leaves the job on close.
 
         ``shards``: stripe the job across that many reducers of the service's pool (0: not
-        striped); None: $SWITCHAGG_SHARDS if set, else the pool's size (0 where it has none)."""
+        striped); None: $SWITCHAGG_SHARDS if set, else the pool's size (0 where it has none).
+
+        ``bind`` may list one address per shard: a worker with one interface per rail (P4 switches
+        as rails, docs/CONTROLLER.md) binds shard s to its address on rail s, and joins with them;
+        ``shards`` is then the list's length."""
         from switchagg import jobclient
 
-        worker = _core.Worker(bind[0], bind[1])
+        binds: list[tuple[str, int]] = (
+            [bind] if isinstance(bind[0], str) else list(bind)  # type: ignore[list-item, arg-type]
+        )
+        per_rail = len(binds) > 1
+        if per_rail and shards is not None and shards != len(binds):
+            raise ValueError(f"{len(binds)} addresses to bind, one per shard, but shards={shards}")
+        host, bind_port = binds[0]
+        worker = _core.Worker(str(host), int(bind_port))
         ip, port = worker.address
         if ip in ("0.0.0.0", ""):  # the controller pins the address it is told: it must be a real one
             ip = _source_address(service)
         if shards is None:
-            shards = _shards_wanted(service, secret)
-        extra = [_core.Worker(bind[0], 0) for _ in range(max(0, shards - 1))]  # one socket per shard
+            shards = len(binds) if per_rail else _shards_wanted(service, secret)
+        # One socket per shard: on its rail's address, or beside the first.
+        extra = [
+            _core.Worker(str(binds[s][0]), int(binds[s][1])) if per_rail else _core.Worker(str(host), 0)
+            for s in range(1, max(1, shards))
+        ]
         ports = (port, *(w.address[1] for w in extra)) if shards > 0 else ()
-        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank, join_timeout, ports)
+        ips = (ip, *(str(w.address[0]) for w in extra)) if per_rail else ()
+        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank, join_timeout, ports, ips)
         session = cls(
             a.job_id,
             a.rank,

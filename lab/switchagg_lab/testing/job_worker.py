@@ -14,11 +14,17 @@ prints one JSON report as its last stdout line. CONFIG (JSON) keys, with their d
   stop=None                    a file that ends the run: empty, at the next iteration; a number,
                                at that iteration (one no rank began yet: stop_together)
   float_round=False            one float32 allreduce of (rank+1)/2 after the int32 ones
+  float_size=0                 then one float32 allreduce of checks.inputs(0, rank, float_size,
+                               "float32", seed), checked against the protocol's bound
+                               (report "float_excess": the largest |error| - bound, <= 0 is good)
+  ips=None                     a worker with one interface per rail: its address on each, one
+                               socket bound per rail (shard s through rail s)
   leave=False                  leave the job explicitly (report "removed") before the session closes
   catch=False                  a SwitchaggError ends the run with "error" in the report (exit 0)
 
 The report: rank, job_id, slot_base, slot_count, k, data_plane, ok, wrong (exact sums or not),
-error, int_sum and int_head (the last int32 result), float_head, removed.
+error, int_sum and int_head (the last int32 result), float_head, float_excess, removed, and a
+striped job's shards ([node, aggregator_ip, udp_port] each) and local addresses.
 """
 
 from __future__ import annotations
@@ -68,14 +74,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     progress = Path(cfg["progress"]) if cfg.get("progress") else None
     stop = Path(cfg["stop"]) if cfg.get("stop") else None
     report: dict[str, Any] = {"ok": 0, "wrong": 0, "error": None, "removed": None}
-    bind = (cfg.get("ip", "127.0.0.1"), 0)
+    bind: Any = [(ip, 0) for ip in cfg["ips"]] if cfg.get("ips") else (cfg.get("ip", "127.0.0.1"), 0)
     with Session.from_job_service(
         cfg["service"], cfg["secret"], cfg["name"], n, rank=cfg.get("rank"), bind=bind,
         timeout=cfg.get("timeout", 10.0), join_timeout=cfg.get("join_timeout", 60.0),
     ) as s:  # fmt: skip
         a = s.assignment
         report.update(rank=a.rank, job_id=a.job_id, slot_base=a.slot_base, slot_count=a.slot_count, k=a.k,
-                      data_plane=a.data_plane)  # fmt: skip
+                      data_plane=a.data_plane, local=s.local_addresses,
+                      shards=[[sh.node, sh.aggregator_ip, sh.udp_port] for sh in a.shards])  # fmt: skip
         try:
             for it in _steps(cfg, s):
                 if _stopped(stop, it):
@@ -93,6 +100,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 y = np.ones(length, dtype=np.float32) * (a.rank + 1) * 0.5
                 s.allreduce(y)
                 report["float_head"] = y[:4].tolist()
+            if cfg.get("float_size"):
+                report["float_excess"] = _float_round(s, n, cfg["float_size"], seed)
         except SwitchaggError as e:  # e.g. the switch restarted mid-round: a clear error, no sum
             if not cfg.get("catch"):
                 raise
@@ -100,6 +109,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("leave"):
             report["removed"] = jobclient.leave(cfg["service"], cfg["secret"], a)
     return report
+
+
+def _float_round(s: Session, n: int, size: int, seed: int) -> float:
+    """One float32 allreduce of seeded inputs; the largest |result - exact sum| - protocol bound."""
+    from switchagg_lab.testing.checks import float_bound, inputs
+
+    xs = [inputs(0, r, size, "float32", seed) for r in range(n)]
+    y = xs[s.rank].copy()
+    s.allreduce(y)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    return float(np.max(np.abs(y.astype(np.float64) - exact) - float_bound(xs, s.k)))
 
 
 def progress_of(files: Sequence[Path]) -> list[int]:

@@ -1,0 +1,126 @@
+"""P4 switches as rails (docs/CONTROLLER.md, Rails): two bmv2 switches, three worker namespaces each
+cabled to both (one interface per rail). ``switchagg-ctl serve --topology`` programs both switches,
+the reducer pool names them as rails, and a Join with shards=2 (each worker bound per rail) gets one
+slot range on each switch, shard s through rail s: the JoinReply's shards carry each rail's
+aggregator address, every worker's int32 sums are exact and its float32 sums within the
+protocol's bound, and each switch's job counters show that it aggregated exactly its shard.
+Skipped, with the reason, where bmv2 or the compiled P4 program is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from switchagg import protocol
+from switchagg.striping import shard_bounds
+from switchagg_lab.bmv2.controller_jobs import job_counters, worker_reports
+from switchagg_lab.bmv2.skip import skip_reason
+from switchagg_lab.testing.controller import SECRET, Controller
+from switchagg_lab.testing.job_worker import PROGRAM
+
+WORKERS, RAILS = 3, 2
+LENGTH, ITERATIONS, FLOAT_SIZE = 1000, 3, 1000  # 16 chunks of K=64 a call: 8 through each rail
+
+
+@pytest.fixture
+def rails(tmp_path: Path) -> Iterator[Any]:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from switchagg_lab.testbed.rails import P4Rails
+
+    with P4Rails(WORKERS, RAILS, tmp_path / "rails") as bed:
+        yield bed
+
+
+def test_a_job_striped_across_two_bmv2_rails(rails: Any, tmp_path: Path) -> None:
+    from switchagg_controller import p4_program
+    from switchagg_controller.topology import dump_topologies
+    from switchagg_lab.testbed.rails import rail_ip
+
+    topo = tmp_path / "network.yaml"
+    topo.write_text(dump_topologies([rails.topology(r) for r in range(RAILS)]))
+    pool = tmp_path / "rails.yaml"
+    pool.write_text("reducers:\n" + "".join(f"  - {{name: r{r}, switch: rail{r}}}\n" for r in range(RAILS)))
+    c = Controller(tmp_path, ["--topology", str(topo), "--reducers", str(pool), "--reap-timeout", "600"])
+    c.start(listen=f"unix:{tmp_path}/jobs.sock")
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        assert " rails r0=rail0,r1=rail1 " in c.banner, c.banner
+        for w in range(WORKERS):
+            cfg = {
+                "service": c.address, "secret": SECRET, "name": "railed", "n": WORKERS,
+                "ips": rails.addresses(w), "length": LENGTH, "timeout": 30, "stdin": True,
+                "float_size": FLOAT_SIZE,
+            }  # fmt: skip
+            procs.append(
+                rails.workers[w].popen(
+                    [*PROGRAM, json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )  # fmt: skip
+            )
+        joined = [_line(p) for p in procs]  # {"job_id", "k"} once the job is installed
+        assert {j["k"] for j in joined} == {protocol.P4_K} and len({j["job_id"] for j in joined}) == 1
+        for _ in range(ITERATIONS):  # one int32 allreduce per line, while the job is live
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            assert all("sum" in _line(p) for p in procs)
+
+        (job,) = json.loads(c.ctl("jobs", "--json", *c.client_args()).stdout)["jobs"]
+        assert job["data_plane"] == "striped" and job["job_id"] == joined[0]["job_id"]
+        assert [(s["node"], s["aggregator"]) for s in job["shards"]] == [
+            (f"r{s}", f"{rail_ip(s)}:{protocol.UDP_PORT}") for s in range(RAILS)
+        ]
+        # Each rail aggregated its shard of every call, every worker's contribution once: exactly.
+        chunks = [-(-(hi - lo) // protocol.P4_K) for lo, hi in shard_bounds(LENGTH, protocol.P4_K, RAILS)]
+        on_switch = [job_counters(sw.grpc_address, 0, p4_program.JOB_COUNTER_NAMES) for sw in rails.switches]
+        for s, counted in enumerate(on_switch):
+            want = WORKERS * chunks[s] * ITERATIONS
+            assert counted["aggregated"] == want and counted["multicast"] > 0, (s, counted, want)
+        # The controller's counters show each rail's share of the job under its pool name.
+        counters = json.loads(c.ctl("counters", "--json", *c.client_args()).stdout)
+        planes = {p["data_plane"]: p for p in counters["data_planes"]}
+        for s in range(RAILS):
+            (shard_job,) = planes[f"striped:r{s}"]["jobs"]
+            assert shard_job["job_id"] == job["job_id"], shard_job
+            assert shard_job["aggregated"] == on_switch[s]["aggregated"], (shard_job, on_switch[s])
+        assert counters["unavailable"] == []
+
+        for p in procs:  # EOF, to all at once: the float32 round, then each worker's report
+            assert p.stdin is not None
+            p.stdin.close()
+            p.stdin = None  # closed already: communicate() leaves it alone
+        reports = sorted(worker_reports(procs), key=lambda r: r["rank"])
+        for r in reports:
+            assert r["error"] is None and r["wrong"] == 0 and r["ok"] == ITERATIONS, r
+            assert r["float_excess"] <= 0, r
+            assert r["data_plane"] == "striped" and r["k"] == protocol.P4_K
+            # Shard s through rail s: its aggregator is rail s's, pinned to the worker's rail-s socket.
+            assert [s[:2] for s in r["shards"]] == [[f"r{s}", rail_ip(s)] for s in range(RAILS)], r
+            assert [ip for ip, _ in r["local"]] in [rails.addresses(w) for w in range(WORKERS)], r
+            assert [s[2] for s in r["shards"]] == [port for _, port in r["local"]]
+    finally:
+        for p in procs:
+            p.kill()
+        c.stop()
+
+
+def _line(p: subprocess.Popen[str]) -> dict[str, Any]:
+    """The worker's next stdout line as JSON (its stderr if it ended instead)."""
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    if not line:
+        p.wait(30)
+        raise AssertionError(f"worker ended ({p.returncode}): {p.stderr.read() if p.stderr else ''}")
+    out: dict[str, Any] = json.loads(line)
+    return out

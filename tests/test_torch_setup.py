@@ -87,7 +87,8 @@ def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> Non
         "dist.init_process_group('switchagg')\n"
         "t = torch.ones(10)\n"
         "dist.all_reduce(t)\n"
-        "print(type(dist.group.WORLD).__name__, dist.group.WORLD.stats()['network'], t.sum().item(), flush=True)\n"
+        "w = dist.group.WORLD\n"
+        "print(type(w).__name__, w.stats()['network'], t.sum().item(), flush=True)\n"
         "dist.destroy_process_group()\n"
         "os._exit(0)\n"
     )

@@ -156,3 +156,88 @@ def test_serve_places_striped_jobs_on_the_reducer_pool(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
         ctl.stop()
+
+
+def test_rails_in_the_pool_file() -> None:
+    specs = parse_reducers(
+        "reducers:\n  - {name: r0, switch: a}\n  - {name: sw, listen: 127.0.0.1:0}\n"
+        "  - {name: r1, switch: b}\n"
+    )
+    assert [(s.name, s.switch) for s in specs] == [("r0", "a"), ("sw", ""), ("r1", "b")]
+    with pytest.raises(TopologyError, match="names a switch \\(a rail\\): it takes no other key"):
+        parse_reducers("reducers:\n  - {name: r0, switch: a, listen: 127.0.0.1:1}\n", "f")
+    with pytest.raises(TopologyError, match="reducer 'r1' \\(switch a\\) repeats reducer 'r0'"):
+        parse_reducers("reducers:\n  - {name: r0, switch: a}\n  - {name: r1, switch: a}\n", "f")
+    with pytest.raises(TopologyError, match="needs listen \\(a software reducer\\) or switch \\(a rail\\)"):
+        parse_reducers("reducers:\n  - {name: r0}\n", "f")
+
+
+def _rail_topology(name: str, subnet: int, hosts: int) -> Any:
+    from switchagg_controller.model import HostPort, Topology
+
+    return Topology(
+        switch_address=f"unix:/nonexistent/{name}.sock",
+        device_id=0,
+        hosts=tuple(
+            HostPort(f"h{i}", i + 1, f"02:00:00:00:{subnet:02x}:{i + 1:02x}", f"10.9.{subnet}.{i + 1}")
+            for i in range(hosts)
+        ),
+        aggregator_ip=f"10.9.{subnet}.254",
+        aggregator_mac=f"02:00:00:00:{subnet:02x}:fe",
+        name=name,
+    )
+
+
+def test_a_striped_job_on_two_rails_is_one_job_per_switch() -> None:
+    """Without switches: the pool's rails place a job on the P4 pool, and each switch's desired state
+    holds its shard as a one-switch job with the shard's key and every rank's address on that rail."""
+    import asyncio
+
+    from switchagg import protocol
+    from switchagg_controller import allocation, p4_program
+    from switchagg_controller.planes import DataPlaneError, P4DataPlane
+    from switchagg_controller.reducers import StripedDataPlane
+
+    p4 = P4DataPlane([_rail_topology("a", 1, 2), _rail_topology("b", 2, 2)])
+    specs = parse_reducers("reducers:\n  - {name: r0, switch: a}\n  - {name: r1, switch: b}\n")
+    plane = StripedDataPlane(specs, [None, None], k=protocol.P4_K, default_slots=64, p4=p4)
+    assert plane.pool_sizes() == {} and plane.node_pool("r1") == allocation.P4
+    assert plane.node_address("r1") == ("10.9.2.254", protocol.UDP_PORT) and plane.shard_slots(2) == 64
+    ips: list[tuple[str, ...]] = [("10.9.1.1", "10.9.2.1"), ("10.9.1.2", "10.9.2.2")]
+    shards = plane.shards_of(["r0", "r1"], 128, 64, 77, [(5000, 5001), (6000, 6001)], ips)
+    workers = (WorkerAddr(0, "10.9.1.1", 5000), WorkerAddr(1, "10.9.1.2", 6000))
+    job = Job(3, "railed", 2, 128, 64, protocol.P4_K, 9, workers, counter_index=5, key=77, shards=shards)
+    assert plane.job_pools(job) == (allocation.P4,)
+    # No switch is connected: a restore keeps the views for the supervisors to apply.
+    asyncio.run(plane.install(job, keep=True))
+    (on_b,) = p4.rail_jobs("b")
+    assert (on_b.slot_base, on_b.slot_count, on_b.counter_index) == (128, 64, 5)
+    assert on_b.key == shards[1].key != job.key
+    assert [(w.ip, w.udp_port, w.switch_port) for w in on_b.workers] == [
+        ("10.9.2.1", 5001, 1),
+        ("10.9.2.2", 6001, 2),
+    ]
+    entries = p4.desired("a").entries
+    pinned = [
+        dict(e.params)["ip"]
+        for e in entries
+        if e.table == p4_program.WORKER_TABLE and e.match[0] == ("job", 3)
+    ]
+    assert pinned == [p4_program.ip_int("10.9.1.1"), p4_program.ip_int("10.9.1.2")]
+    asyncio.run(plane.remove(job))
+    assert p4.rail_jobs("a") == p4.rail_jobs("b") == []
+    # A rank whose address on a rail is not a host of that switch is refused before anything is pushed.
+    wrong = Job(4, "wrong", 2, 0, 64, protocol.P4_K, 9, workers, key=1, shards=plane.shards_of(
+        ["r0", "r1"], 0, 64, 1, [(5000, 5001), (6000, 6001)], None))  # fmt: skip
+    with pytest.raises(DataPlaneError, match=r"from 10\.9\.1\.1, which is not a host of switch b"):
+        asyncio.run(plane.install(wrong))
+    with pytest.raises(DataPlaneError, match="rail switch a failed"):  # a live install needs the switch
+        asyncio.run(plane.install(job))
+    assert p4.rail_jobs("a") == []
+
+
+def test_rails_need_the_topology(tmp_path: Path) -> None:
+    pool = tmp_path / "rails.yaml"
+    pool.write_text("reducers:\n  - {name: r0, switch: a}\n")
+    with pytest.raises(RuntimeError, match="rail r0 names a switch: serve needs --topology with it"):
+        Controller(tmp_path, ["--reducers", str(pool)]).start()

@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reducers",
         metavar="FILE",
-        help="a pool of software reducers that striped jobs run on (YAML; docs/CONTROLLER.md)",
+        help="the pool striped jobs run on: software reducers, P4 switch rails (YAML; docs/CONTROLLER.md)",
     )
     p.add_argument("--software-listen", default="127.0.0.1:48879", help="software aggregator UDP address")
     p.add_argument("--software-advertise", help="aggregator IP told to workers (default: the listen IP)")

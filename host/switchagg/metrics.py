@@ -86,91 +86,91 @@ def data_plane_families(samples: Iterable[DataPlaneSample]) -> list[Metric]:
     """Every data plane metric for these data planes, one family per name."""
     c = _Families()
     for s in samples:
-        where = (s.switch, s.data_plane)
-        for reason in DROP_REASONS:
-            c.counter(
-                "switchagg_drops",
-                "Packets dropped without changing any sum, by reason (docs/PROTOCOL.md)",
-                (*SWITCH_LABELS, "reason"),
-                (*where, reason),
-                s.drops.get(reason, 0),
-            )
-        if s.packets_received is not None:
-            c.counter(
-                "switchagg_packets_received", "Datagrams received", SWITCH_LABELS, where, s.packets_received
-            )
-        if s.packets_sent is not None:
-            c.counter("switchagg_packets_sent", "Datagrams sent", SWITCH_LABELS, where, s.packets_sent)
-        if s.bytes_received is not None:
-            c.counter(
-                "switchagg_received_bytes",
-                "UDP payload bytes received",
-                SWITCH_LABELS,
-                where,
-                s.bytes_received,
-            )
-        if s.bytes_sent is not None:
-            c.counter("switchagg_sent_bytes", "UDP payload bytes sent", SWITCH_LABELS, where, s.bytes_sent)
-        for kind, value in s.faults.items():
-            c.counter(
-                "switchagg_faults_injected",
-                "Datagrams the fault injector dropped or duplicated (tests)",
-                (*SWITCH_LABELS, "fault"),
-                (*where, kind),
-                value,
-            )
-        thread_labels = (*SWITCH_LABELS, "thread")
-        for i, t in enumerate(s.threads):
-            per_thread = (*where, str(i))
-            c.counter(
-                "switchagg_thread_packets_received",
-                "Datagrams one serving thread of a software aggregator received (slot mod threads)",
-                thread_labels,
-                per_thread,
-                t["rx"],
-            )
-            c.counter(
-                "switchagg_thread_contributions",
-                "Contributions one serving thread aggregated, over all jobs",
-                thread_labels,
-                per_thread,
-                t["aggregated"],
-            )
-            c.counter(
-                "switchagg_thread_misrouted",
-                "Datagrams for another thread's slot, dropped (only while the socket group is built)",
-                thread_labels,
-                per_thread,
-                t["misrouted"],
-            )
-        allocated = sum(j.slots for j in s.jobs)
-        c.gauge("switchagg_jobs", "Jobs installed", SWITCH_LABELS, where, len(s.jobs))
-        c.gauge(
-            "switchagg_slots_allocated", "Slots of the pool held by jobs", SWITCH_LABELS, where, allocated
-        )
-        if s.pool_slots is not None:
-            c.gauge(
-                "switchagg_slots_free",
-                "Slots of the pool no job holds",
-                SWITCH_LABELS,
-                where,
-                s.pool_slots - allocated,
-            )
-        for j in s.jobs:
-            labels = (*where, j.name, str(j.job_id))
-            for name in JOB_COUNTERS:
-                c.counter(
-                    f"switchagg_job_{name}", _JOB_HELP[name], JOB_LABELS, labels, j.counters.get(name, 0)
-                )
-            for name in LEAF_COUNTERS:
-                if name in j.counters:
-                    c.counter(f"switchagg_job_{name}", _LEAF_HELP[name], JOB_LABELS, labels, j.counters[name])
-            for name, nbytes in j.bytes.items():
-                doc = f"Bytes of the packets in switchagg_job_{name}_total (frames, as the switch counts)"
-                c.counter(f"switchagg_job_{name}_bytes", doc, JOB_LABELS, labels, nbytes)
-            c.gauge("switchagg_job_slots", "Slots the job holds (its window)", JOB_LABELS, labels, j.slots)
-            c.gauge("switchagg_job_workers", "Ranks of the job", JOB_LABELS, labels, j.workers)
+        _plane_totals(c, s)
+        _thread_counters(c, s)
+        _job_series(c, s)
     return c.families()
+
+
+def _plane_totals(c: _Families, s: DataPlaneSample) -> None:
+    where = (s.switch, s.data_plane)
+    for reason in DROP_REASONS:
+        c.counter(
+            "switchagg_drops",
+            "Packets dropped without changing any sum, by reason (docs/PROTOCOL.md)",
+            (*SWITCH_LABELS, "reason"),
+            (*where, reason),
+            s.drops.get(reason, 0),
+        )
+    totals = (
+        ("switchagg_packets_received", "Datagrams received", s.packets_received),
+        ("switchagg_packets_sent", "Datagrams sent", s.packets_sent),
+        ("switchagg_received_bytes", "UDP payload bytes received", s.bytes_received),
+        ("switchagg_sent_bytes", "UDP payload bytes sent", s.bytes_sent),
+    )
+    for name, doc, value in totals:
+        if value is not None:
+            c.counter(name, doc, SWITCH_LABELS, where, value)
+    for kind, count in s.faults.items():
+        c.counter(
+            "switchagg_faults_injected",
+            "Datagrams the fault injector dropped or duplicated (tests)",
+            (*SWITCH_LABELS, "fault"),
+            (*where, kind),
+            count,
+        )
+    allocated = sum(j.slots for j in s.jobs)
+    c.gauge("switchagg_jobs", "Jobs installed", SWITCH_LABELS, where, len(s.jobs))
+    c.gauge("switchagg_slots_allocated", "Slots of the pool held by jobs", SWITCH_LABELS, where, allocated)
+    if s.pool_slots is not None:
+        c.gauge(
+            "switchagg_slots_free",
+            "Slots of the pool no job holds",
+            SWITCH_LABELS,
+            where,
+            s.pool_slots - allocated,
+        )
+
+
+_THREAD_COUNTERS = (  # (metric, help, key in a thread's counters)
+    (
+        "switchagg_thread_packets_received",
+        "Datagrams one serving thread of a software aggregator received (slot mod threads)",
+        "rx",
+    ),
+    (
+        "switchagg_thread_contributions",
+        "Contributions one serving thread aggregated, over all jobs",
+        "aggregated",
+    ),
+    (
+        "switchagg_thread_misrouted",
+        "Datagrams for another thread's slot, dropped (only while the socket group is built)",
+        "misrouted",
+    ),
+)
+
+
+def _thread_counters(c: _Families, s: DataPlaneSample) -> None:
+    labels = (*SWITCH_LABELS, "thread")
+    for i, t in enumerate(s.threads):
+        for name, doc, key in _THREAD_COUNTERS:
+            c.counter(name, doc, labels, (s.switch, s.data_plane, str(i)), t[key])
+
+
+def _job_series(c: _Families, s: DataPlaneSample) -> None:
+    for j in s.jobs:
+        labels = (s.switch, s.data_plane, j.name, str(j.job_id))
+        for name in JOB_COUNTERS:
+            c.counter(f"switchagg_job_{name}", _JOB_HELP[name], JOB_LABELS, labels, j.counters.get(name, 0))
+        for name in LEAF_COUNTERS:
+            if name in j.counters:
+                c.counter(f"switchagg_job_{name}", _LEAF_HELP[name], JOB_LABELS, labels, j.counters[name])
+        for name, nbytes in j.bytes.items():
+            doc = f"Bytes of the packets in switchagg_job_{name}_total (frames, as the switch counts)"
+            c.counter(f"switchagg_job_{name}_bytes", doc, JOB_LABELS, labels, nbytes)
+        c.gauge("switchagg_job_slots", "Slots the job holds (its window)", JOB_LABELS, labels, j.slots)
+        c.gauge("switchagg_job_workers", "Ranks of the job", JOB_LABELS, labels, j.workers)
 
 
 class _Families:

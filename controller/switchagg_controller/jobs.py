@@ -174,20 +174,7 @@ class JobManager:
         self._check_shards(udp_port, shards, shard_ports)
         self._check_shard_ips(ip, shards, shard_ips)
         wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
-        for active in self._active.values():
-            job = active.record.job
-            if job.name != name:
-                continue
-            for w in job.workers:
-                if (w.ip, w.udp_port) == (ip, udp_port):
-                    raise JobError(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"{ip}:{udp_port} already joined job {name!r} as rank {w.rank}",
-                    )
-            raise JobError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {name!r} is already running with all {job.n} workers",
-            )
+        self._check_not_running(name, ip, udp_port)
         pending = self._pending.setdefault(name, _Pending(name, world_size, shards))
         self._check_member(pending, world_size, ip, udp_port, rank)
         if shards != pending.shards:
@@ -219,10 +206,30 @@ class JobManager:
             await asyncio.shield(pending.settled)  # a caller that gives up does not stop the install
         if pending.error is not None:
             raise pending.error
-        done = pending.job
-        assert done is not None
+        assert pending.job is not None
+        return self._assignment(pending.data_plane, pending.job, ip, udp_port)
+
+    def _check_not_running(self, name: str, ip: str, udp_port: int) -> None:
+        """A Join for a job that already runs is refused, saying whether this worker is in it."""
+        for active in self._active.values():
+            job = active.record.job
+            if job.name != name:
+                continue
+            for w in job.workers:
+                if (w.ip, w.udp_port) == (ip, udp_port):
+                    raise JobError(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"{ip}:{udp_port} already joined job {name!r} as rank {w.rank}",
+                    )
+            raise JobError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {name!r} is already running with all {job.n} workers",
+            )
+
+    def _assignment(self, data_plane: str, done: Job, ip: str, udp_port: int) -> Assignment:
+        """What the worker at ip:udp_port is told of its installed job (and of each shard)."""
         my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
-        agg_ip, agg_port = self.planes[pending.data_plane].aggregator_of(done, my.rank)
+        agg_ip, agg_port = self.planes[data_plane].aggregator_of(done, my.rank)
         striped = self.striped
         mine = tuple(
             ShardAssignment(
@@ -232,19 +239,9 @@ class JobManager:
             if striped is not None
         )
         return Assignment(
-            pending.data_plane,
-            agg_ip,
-            agg_port,
-            done.job_id,
-            my.rank,
-            done.n,
-            done.slot_base,
-            done.slot_count,
-            done.k,
-            done.generation,
-            done.key,
-            mine,
-        )
+            data_plane, agg_ip, agg_port, done.job_id, my.rank, done.n, done.slot_base, done.slot_count,
+            done.k, done.generation, done.key, mine,
+        )  # fmt: skip
 
     @property
     def striped(self) -> StripedDataPlane | None:

@@ -448,13 +448,8 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="switchagg-ctl", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
-    add_version(parser)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("serve", help="run the job service and program the data plane")
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    """serve's flags: each a ControllerConfig field of the same name (SERVE_FLAGS)."""
     p.add_argument(
         "--listen",
         default=DEFAULT_SERVICE,
@@ -491,6 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1", help="metrics address (0.0.0.0: any; default %(default)s)"
     )
     p.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchagg-ctl", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_version(parser)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_serve(sub.add_parser("serve", help="run the job service and program the data plane"))
 
     p = sub.add_parser("push", help="push the P4 pipeline and the topology's L2 entries to the switch")
     p.add_argument("--topology", required=True)

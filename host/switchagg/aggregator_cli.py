@@ -142,13 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--counters-json", type=Path, metavar="FILE", help="write the final counters as JSON on exit"
     )
-    p.add_argument(
-        "--drop-in", type=_probability, default=0.0, help="drop received datagrams with this probability"
-    )
-    p.add_argument("--dup-in", type=_probability, default=0.0, help="process received datagrams twice")
-    p.add_argument("--drop-out", type=_probability, default=0.0, help="drop sent datagrams")
-    p.add_argument("--dup-out", type=_probability, default=0.0, help="send datagrams twice")
-    p.add_argument("--seed", type=int, default=1, help="fault injection seed")
+    _add_faults(p)
     p.add_argument(
         "--job-name",
         action="append",
@@ -184,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the control service's shared secret (required with --control)",
     )
     return p
+
+
+def _add_faults(p: argparse.ArgumentParser) -> None:
+    """The fault injector's flags (tests and demos: loss and duplication on this host)."""
+    p.add_argument(
+        "--drop-in", type=_probability, default=0.0, help="drop received datagrams with this probability"
+    )
+    p.add_argument("--dup-in", type=_probability, default=0.0, help="process received datagrams twice")
+    p.add_argument("--drop-out", type=_probability, default=0.0, help="drop sent datagrams")
+    p.add_argument("--dup-out", type=_probability, default=0.0, help="send datagrams twice")
+    p.add_argument("--seed", type=int, default=1, help="fault injection seed")
 
 
 def _threads(text: str) -> int:

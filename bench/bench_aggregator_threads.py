@@ -76,6 +76,34 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _timed_allreduce(sessions: list[Any], tensors: list[np.ndarray]) -> float:
+    """One allreduce of every rank at once (a thread each; the worker releases the GIL): its
+    seconds, every sum checked (rank r contributes r + 1)."""
+    want = len(sessions) * (len(sessions) + 1) // 2
+    for r, t in enumerate(tensors):
+        t.fill(r + 1)
+    errors: list[BaseException] = []
+
+    def run(s: Any, t: np.ndarray) -> None:
+        try:
+            s.allreduce(t)
+        except BaseException as e:
+            errors.append(e)
+
+    runs = [threading.Thread(target=run, args=st) for st in zip(sessions, tensors, strict=True)]
+    start = time.perf_counter()
+    for th in runs:
+        th.start()
+    for th in runs:
+        th.join()
+    took = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"an allreduce failed: {errors[0]!r}")
+    if not all((t == want).all() for t in tensors):
+        raise RuntimeError("a sum is wrong")
+    return took
+
+
 def aggregator(threads: int, workers: int, size_mb: int, reps: int, k: int, slots: int) -> dict[str, Any]:
     """One switchagg-aggregator --threads process, ``workers`` sessions: one warm-up allreduce, then
     ``reps`` timed ones; every result checked exactly."""
@@ -107,33 +135,9 @@ def aggregator(threads: int, workers: int, size_mb: int, reps: int, k: int, slot
                 for r, w in enumerate(ws)
             ]
             tensors = [np.full(elems, r + 1, dtype=np.int32) for r in range(workers)]
-            want = workers * (workers + 1) // 2
 
             def one_allreduce() -> float:
-                for t in tensors:
-                    t.fill(0)
-                for r, t in enumerate(tensors):
-                    t += r + 1
-                errors: list[BaseException] = []
-
-                def run(s: Session, t: np.ndarray) -> None:
-                    try:
-                        s.allreduce(t)
-                    except BaseException as e:
-                        errors.append(e)
-
-                runs = [threading.Thread(target=run, args=st) for st in zip(sessions, tensors, strict=True)]
-                start = time.perf_counter()
-                for th in runs:
-                    th.start()
-                for th in runs:
-                    th.join()
-                took = time.perf_counter() - start
-                if errors:
-                    raise RuntimeError(f"an allreduce failed: {errors[0]!r}")
-                if not all((t == want).all() for t in tensors):
-                    raise RuntimeError("a sum is wrong")
-                return took
+                return _timed_allreduce(sessions, tensors)
 
             one_allreduce()  # warm-up: page faults, socket buffers
             before = [s.stats() for s in sessions]

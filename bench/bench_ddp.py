@@ -1,12 +1,13 @@
 """DDP step time and pure allreduce time, switchagg against gloo in the same run.
 
-    python bench/bench_ddp.py [--workers 4] [--sizes 1,5,10,25,50] [--out bench/results]
+    python bench/bench_ddp.py [--workers 4] [--sizes 1,5,10,25,50] [--lanes 1,2] [--out bench/results]
 
 Starts the workers itself (real processes on loopback, the embedded software aggregator);
 each size's model is an MLP of 1024x1024 layers with about that many million parameters.
 Times are the slowest rank's, median over --iters repetitions after one warm-up. Writes
 ddp.json and ddp.png to --out and prints the ratios. --budget bounds the run: sizes left when
-it is spent are skipped (and reported as skipped).
+it is spent are skipped (and reported as skipped). --lanes times switchagg with each of those
+SWITCHAGG_LANES (calls on the wire at once per group, docs/TORCH.md) in the same run, one group each.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--sizes", default="1,5,10,25,50", help="model sizes in millions of parameters")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--lanes", default="", help="SWITCHAGG_LANES values to compare, e.g. 1,2 (default: the env's)"
+    )
     p.add_argument("--budget", type=float, default=240.0, help="seconds; later sizes are skipped after it")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -42,6 +46,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sizes = [float(s) for s in args.sizes.split(",")]
     except ValueError:
         p.error(f"--sizes {args.sizes!r} is not a comma-separated list of numbers")
+    try:
+        args.lanes = [int(x) for x in args.lanes.split(",")] if args.lanes else []
+    except ValueError:
+        p.error(f"--lanes {args.lanes!r} is not a comma-separated list of integers")
     if not all(0 < s <= 200 for s in args.sizes):
         p.error("--sizes must be within (0, 200] million")
     if not 2 <= args.workers <= 16 or args.iters < 1 or args.budget <= 0:
@@ -99,6 +107,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("switchagg")
     net = dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
+    # One switchagg group per --lanes value (the variable is read when a group is created).
+    lane_groups: list[tuple[str, Any]] = []
+    for lanes in args.lanes:
+        os.environ["SWITCHAGG_LANES"] = str(lanes)
+        lane_groups.append((f"switchagg_L{lanes}", dist.new_group(backend="switchagg")))
+    networks = lane_groups or [("switchagg", net)]
     rank = dist.get_rank()
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -115,15 +129,18 @@ def worker(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in model.parameters())
         row: dict[str, Any] = {"millions": millions, "params": params, "skipped": False}
         buf = torch.randn(params)
-        for name, group in (("gloo", gloo), ("switchagg", net)):
+        for name, group in (("gloo", gloo), *networks):
             row[f"allreduce_{name}"] = _timed(
                 functools.partial(dist.all_reduce, buf, group=group), args.iters, gloo
             )
         x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
-        for name, group in (("gloo", gloo), ("switchagg", net)):
+        for name, group in (("gloo", gloo), *networks):
             ddp = DDP(model, process_group=group)
             row[f"ddp_{name}"] = _timed(_ddp_step(ddp, x), args.iters, gloo)
             del ddp
+        if lane_groups:  # the first --lanes value stands for switchagg in the table and plot
+            for kind in ("allreduce", "ddp"):
+                row[f"{kind}_switchagg"] = row[f"{kind}_{lane_groups[0][0]}"]
         # Compute alone, no communication: what the DDP step would cost on an infinitely fast network.
         row["compute"] = _timed(_ddp_step(model, x), args.iters, gloo)
         rows.append(row)
@@ -177,6 +194,19 @@ def report(data: dict[str, Any], out: Path) -> None:
             f"{r['allreduce_gloo'] / r['allreduce_switchagg']:8.2f} {r['ddp_gloo']:9.4f} "
             f"{r['ddp_switchagg']:9.4f} {r['ddp_gloo'] / r['ddp_switchagg']:8.2f} {r['compute']:9.4f}"
         )
+    lanes = sorted(
+        {k.removeprefix("ddp_switchagg_L") for r in rows for k in r if k.startswith("ddp_switchagg_L")},
+        key=int,
+    )
+    if lanes:
+        print("DDP step with SWITCHAGG_LANES=L (seconds; ratio to the first L)")
+        for r in rows:
+            first = r[f"ddp_switchagg_L{lanes[0]}"]
+            cells = " ".join(
+                f"L={lane}: {r[f'ddp_switchagg_L{lane}']:.4f} ({first / r[f'ddp_switchagg_L{lane}']:.2f}x)"
+                for lane in lanes
+            )
+            print(f"{r['params'] / 1e6:7.1f}M {cells}")
     for r in data["rows"]:
         if r["skipped"]:
             print(f"{r['millions']:7g}M skipped: --budget spent")

@@ -59,6 +59,8 @@ IMAGE_LABEL = "org.switchagg.testbed=1"  # on every image built here (the Docker
 # Held while images are built or a project's networks are chosen and made: one engine, several
 # checkouts or test runs (a file lock, released when the process ends however it ends).
 LOCK_FILE = Path(tempfile.gettempdir()) / "switchagg-docker-testbed.lock"
+# Images of ours a rebuild replaced while a container still used them: removed later (by id).
+REPLACED_FILE = Path(tempfile.gettempdir()) / "switchagg-docker-testbed.replaced"
 
 # Addresses: the rack is lab/switchagg_lab/testbed/rack.py's; Docker's own subnets only cable it.
 RACK_SUBNET = "10.201.0."
@@ -137,51 +139,69 @@ def compose(variant: str, n: int, net: int = DEFAULT_NET) -> dict[str, Any]:
         raise ValueError(f"a rack has 1..{MAX_WORKERS} workers, not {n}")
     if not NET_FIRST <= net <= NET_LAST:
         raise ValueError(f"the project's network is 10.B.0.0/16 with B in {NET_FIRST}..{NET_LAST}, not {net}")
-    mgmt_subnet = f"10.{net}.0."
     # rack-entry finds each cable by its Docker address, in 10.<net>.<port>.0/24
     common = {"SWITCHAGG_SECRET": f"${{SWITCHAGG_SECRET:-{DEFAULT_SECRET}}}", "RACK_CABLE_NET": f"10.{net}"}
-    cables = {f"rack{p}": {"ipv4_address": f"10.{net}.{p}.254"} for p in range(1, n + 1)}
-    services: dict[str, Any] = {}
     if variant == "soft":
-        # The software aggregator (inside the job service) at the rack's aggregator address, on a
-        # bridge over the switch ports; the same container is "controller" on mgmt.
-        soft = _serve(["--software", "--software-listen", f"{AGG_IP}:48879"])
-        services["switch"] = {
+        services, service_host = _soft_switch(n, net, common), "switch"
+    else:
+        services, service_host = _bmv2_switch(n, net, common), "controller"
+    for rank in range(n):
+        services[f"worker{rank}"] = _worker(variant, n, net, rank, common, service_host)
+    networks: dict[str, Any] = {"mgmt": _network(f"10.{net}.0.0/24")}
+    for p in range(1, n + 1):
+        networks[f"rack{p}"] = _network(cable_subnet(p, net))
+    return {"version": "2.4", "services": services, "networks": networks}
+
+
+def _cables(n: int, net: int) -> dict[str, Any]:
+    return {f"rack{p}": {"ipv4_address": f"10.{net}.{p}.254"} for p in range(1, n + 1)}
+
+
+def _soft_switch(n: int, net: int, common: dict[str, str]) -> dict[str, Any]:
+    """The software aggregator (inside the job service) at the rack's aggregator address, on a
+    bridge over the switch ports; the same container is "controller" on mgmt."""
+    soft = _serve(["--software", "--software-listen", f"{AGG_IP}:48879"])
+    mgmt = {"ipv4_address": f"10.{net}.0.2", "aliases": ["controller"]}
+    return {
+        "switch": {
             "image": CONTROLLER_IMAGE,
             "command": ["soft-switch", str(n), *soft],
             "cap_add": ["NET_ADMIN"],
             "environment": common,
-            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}2", "aliases": ["controller"]}, **cables},
+            "networks": {"mgmt": mgmt, **_cables(n, net)},
             "healthcheck": _healthcheck(_port_open(JOB_SERVICE_PORT)),
         }
-        service_host = "switch"
-    else:
-        grpc = f"0.0.0.0:{P4RUNTIME_PORT}"
-        bmv2 = ["simple_switch_grpc", "--no-p4", "--device-id", "0", "--thrift-port", "9090"]
-        services["switch"] = {
+    }
+
+
+def _bmv2_switch(n: int, net: int, common: dict[str, str]) -> dict[str, Any]:
+    """bmv2 on the cables, the controller on mgmt, and the p4runtime-shell tool service."""
+    grpc = f"0.0.0.0:{P4RUNTIME_PORT}"
+    bmv2 = ["simple_switch_grpc", "--no-p4", "--device-id", "0", "--thrift-port", "9090"]
+    p4 = ["--p4-json", "/src/p4/build/switchagg.json", "--p4info", "/src/p4/build/switchagg.p4info.txtpb"]
+    return {
+        "switch": {
             "image": BMV2_SWITCH_IMAGE,
             "command": ["bmv2-switch", str(n), *bmv2, "--", "--grpc-server-addr", grpc],
             "cap_add": ["NET_ADMIN"],
             "environment": {"RACK_CABLE_NET": f"10.{net}"},
-            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}2"}, **cables},
+            "networks": {"mgmt": {"ipv4_address": f"10.{net}.0.2"}, **_cables(n, net)},
             "healthcheck": _healthcheck(_port_open(P4RUNTIME_PORT)),
-        }
-        p4 = ["--p4-json", "/src/p4/build/switchagg.json", "--p4info", "/src/p4/build/switchagg.p4info.txtpb"]
-        services["controller"] = {
+        },
+        "controller": {
             "image": CONTROLLER_IMAGE,
             "entrypoint": [],
             "command": _serve(["--topology", "/etc/switchagg/topology.yaml", *p4]),
             "environment": common,
             "volumes": ["./topology.yaml:/etc/switchagg/topology.yaml:ro"],
-            "networks": {"mgmt": {"ipv4_address": f"{mgmt_subnet}3"}},
+            "networks": {"mgmt": {"ipv4_address": f"10.{net}.0.3"}},
             "depends_on": {"switch": {"condition": "service_healthy"}},
             "healthcheck": _healthcheck(_port_open(JOB_SERVICE_PORT)),
-        }
-        service_host = "controller"
-        # Looking at the switch: `docker-compose run --rm p4rt-shell` (docs/DOCKER.md).
-        # A second client (election id 0,2: the controller stays primary) that reads the pipeline
-        # from the switch; it only starts when asked for, so `up` leaves it out.
-        services["p4rt-shell"] = {
+        },
+        # Looking at the switch: `docker-compose run --rm p4rt-shell` (docs/DOCKER.md). A second
+        # client (election id 0,2: the controller stays primary) that reads the pipeline from the
+        # switch; it only starts when asked for, so `up` leaves it out.
+        "p4rt-shell": {
             "image": P4RT_SHELL_IMAGE,
             "command": [
                 "--grpc-addr",
@@ -194,35 +214,37 @@ def compose(variant: str, n: int, net: int = DEFAULT_NET) -> dict[str, Any]:
             "networks": ["mgmt"],
             "profiles": ["tools"],
             "depends_on": {"controller": {"condition": "service_healthy"}},
-        }
-    for rank in range(n):
-        port = rank + 1
-        train = (
-            f"exec torchrun --nnodes {n} --node-rank {rank} --nproc-per-node 1 --master-addr {rack_ip(1)}"
-            f' --master-port {MASTER_PORT} examples/train_digits.py --backend "$$TRAIN_BACKEND" $$TRAIN_ARGS'
-        )
-        services[f"worker{rank}"] = {
-            "image": WORKER_IMAGE,
-            "command": ["worker", str(port), "sh", "-c", train],
-            "cap_add": ["NET_ADMIN"],
-            "environment": {
-                **common,
-                "TRAIN_BACKEND": "${TRAIN_BACKEND:-switchagg}",
-                "TRAIN_ARGS": f"${{TRAIN_ARGS:-{TRAIN_ARGS[variant]}}}",
-                "SWITCHAGG_JOB_SERVICE": f"{service_host}:{JOB_SERVICE_PORT}",
-                "SWITCHAGG_WORKER_BIND": rack_ip(port),
-                "OMP_NUM_THREADS": "1",
-            },
-            "networks": {
-                "mgmt": {"ipv4_address": f"{mgmt_subnet}{10 + rank}"},
-                f"rack{port}": {"ipv4_address": f"10.{net}.{port}.2"},
-            },
-            "depends_on": {service_host: {"condition": "service_healthy"}},
-        }
-    networks: dict[str, Any] = {"mgmt": _network(f"{mgmt_subnet}0/24")}
-    for p in range(1, n + 1):
-        networks[f"rack{p}"] = _network(cable_subnet(p, net))
-    return {"version": "2.4", "services": services, "networks": networks}
+        },
+    }
+
+
+def _worker(
+    variant: str, n: int, net: int, rank: int, common: dict[str, str], service_host: str
+) -> dict[str, Any]:
+    """Rank ``rank``: torchrun of examples/train_digits.py on the rack, its cable to port rank + 1."""
+    port = rank + 1
+    train = (
+        f"exec torchrun --nnodes {n} --node-rank {rank} --nproc-per-node 1 --master-addr {rack_ip(1)}"
+        f' --master-port {MASTER_PORT} examples/train_digits.py --backend "$$TRAIN_BACKEND" $$TRAIN_ARGS'
+    )
+    return {
+        "image": WORKER_IMAGE,
+        "command": ["worker", str(port), "sh", "-c", train],
+        "cap_add": ["NET_ADMIN"],
+        "environment": {
+            **common,
+            "TRAIN_BACKEND": "${TRAIN_BACKEND:-switchagg}",
+            "TRAIN_ARGS": f"${{TRAIN_ARGS:-{TRAIN_ARGS[variant]}}}",
+            "SWITCHAGG_JOB_SERVICE": f"{service_host}:{JOB_SERVICE_PORT}",
+            "SWITCHAGG_WORKER_BIND": rack_ip(port),
+            "OMP_NUM_THREADS": "1",
+        },
+        "networks": {
+            "mgmt": {"ipv4_address": f"10.{net}.0.{10 + rank}"},
+            f"rack{port}": {"ipv4_address": f"10.{net}.{port}.2"},
+        },
+        "depends_on": {service_host: {"condition": "service_healthy"}},
+    }
 
 
 def _network(subnet: str) -> dict[str, Any]:
@@ -505,12 +527,44 @@ def build_images(variant: str, p4_image: str | None = None) -> None:
 
 def remove_replaced(before: dict[str, str | None], after: dict[str, str | None]) -> None:
     """Removes the images a rebuild took our tags from, and with them their own untagged layers.
-    Nothing else: no prune, so another build's layers on this engine are never touched, and a
-    replaced image that a container still uses, or that another tag names, stays (docker rmi
-    refuses it)."""
+    Nothing else: no prune, so another build's layers on this engine are never touched. One that
+    a container still uses (a testbed that is up), or that another tag names, stays (docker rmi
+    refuses it); it is remembered (REPLACED_FILE) and removed by a later build or `down`."""
     keep = set(after.values())
-    for old in {i for i in before.values() if i} - keep:
+    replaced = {i for i in before.values() if i} - keep
+    remove_images(replaced | (_read_replaced() - keep))
+
+
+def remove_images(ids: set[str]) -> None:
+    """Call under engine_lock. ``ids`` that stay (in use) are written back to REPLACED_FILE."""
+    left = set()
+    for old in sorted(ids):
         subprocess.run(["docker", "rmi", old], capture_output=True)
+        if image_id(old) is not None:
+            left.add(old)
+    REPLACED_FILE.write_text("".join(f"{i}\n" for i in sorted(left)))
+
+
+def _read_replaced() -> set[str]:
+    try:
+        return set(REPLACED_FILE.read_text().split())
+    except OSError:
+        return set()
+
+
+def remove_replaced_now() -> None:
+    """What `down` does: the remembered images, if no build holds the lock (else that build will)."""
+    if not _read_replaced():
+        return
+    with open(LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        try:
+            remove_images(_read_replaced())
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def default_p4_image() -> str:
@@ -737,6 +791,7 @@ def down(project: str) -> None:
             sh("docker", kind, "rm", *ids, check=False, capture=True)
     remove_rules(project)
     shutil.rmtree(project_dir(project), ignore_errors=True)
+    remove_replaced_now()
 
 
 def run(

@@ -216,6 +216,63 @@ def _published(text: str, what: str) -> str:
     return text
 
 
+def _embedded_layout(lanes: int) -> tuple[int, int]:
+    """(K, slots per lane) from SWITCHAGG_K and SWITCHAGG_SLOTS, the window split over the lanes."""
+    k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
+    slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
+    per_lane = slots if lanes == 1 else lane_slots(slots, lanes)
+    if per_lane * lanes > protocol.POOL_SLOT_MASK + 1:
+        raise ValueError(
+            f"SWITCHAGG_LANES={lanes} lanes of {per_lane} slots (SWITCHAGG_SLOTS={slots}) exceed the "
+            f"aggregator's {protocol.POOL_SLOT_MASK + 1} slots"
+        )
+    return k, per_lane
+
+
+def _publish_aggregator(
+    rank: int, exchange: Exchange
+) -> tuple[SoftwareAggregator | None, tuple[str, int], int, str]:
+    """Rank 0 starts the aggregator and shares its address, the job's key and its network; every
+    rank returns (the aggregator on rank 0 else None, address, key, network)."""
+    if rank != 0:
+        published = _published(exchange.share(None), "start the switchagg aggregator")
+        return (None, *_parse_published(published))
+    try:
+        from switchagg.aggregator import new_key
+
+        aggregator = _start_aggregator()
+        key = new_key()  # the job's result key: only the group's ranks and the aggregator know it
+    except Exception as e:
+        exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
+        raise
+    host, port = aggregator.address
+    return (aggregator, *_parse_published(exchange.share(f"{host}:{port} {key} {network_identity()}")))
+
+
+def _install_lanes(
+    aggregator: SoftwareAggregator,
+    addresses: list[str],
+    world_size: int,
+    k: int,
+    per_lane: int,
+    key: int,
+    lanes: int,
+) -> None:
+    """One job per lane on rank 0's aggregator, each rank pinned to its socket of that lane."""
+    from switchagg.striping import shard_key
+
+    per_rank = [a.split(",") for a in addresses]
+    generation = random.randint(1, 0xFFFF)
+    for lane in range(lanes):
+        pinned = [
+            parse_host_port(a[lane], f"rank {r}'s address (lane {lane})") for r, a in enumerate(per_rank)
+        ]
+        aggregator.add_job(
+            EMBEDDED_JOB + lane, world_size, lane * per_lane, per_lane, k, generation, pinned,
+            key=shard_key(key, lane),
+        )  # fmt: skip
+
+
 def _open_embedded(
     rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str, lanes: int
 ) -> DataPlane:
@@ -228,49 +285,19 @@ def _open_embedded(
     from switchagg.session import Session
     from switchagg.striping import shard_key
 
-    k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
-    slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
-    per_lane = slots if lanes == 1 else lane_slots(slots, lanes)
-    if per_lane * lanes > protocol.POOL_SLOT_MASK + 1:
-        raise ValueError(
-            f"SWITCHAGG_LANES={lanes} lanes of {per_lane} slots (SWITCHAGG_SLOTS={slots}) exceed the "
-            f"aggregator's {protocol.POOL_SLOT_MASK + 1} slots"
-        )
+    k, per_lane = _embedded_layout(lanes)
     aggregator = None
     sessions: list[Session] = []
     try:
-        if rank == 0:
-            try:
-                from switchagg.aggregator import new_key
-
-                aggregator = _start_aggregator()
-                key = new_key()  # the job's result key: only the group's ranks and the aggregator know it
-            except Exception as e:
-                exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
-                raise
-            host, port = aggregator.address
-            address, key, network = _parse_published(
-                exchange.share(f"{host}:{port} {key} {network_identity()}")
-            )
-        else:
-            address, key, network = _parse_published(
-                _published(exchange.share(None), "start the switchagg aggregator")
-            )
+        aggregator, address, key, network = _publish_aggregator(rank, exchange)
         try:
             check_reachable(address[0], network, network_identity())
             for lane in range(lanes):
                 session = Session(
-                    EMBEDDED_JOB + lane,
-                    rank,
-                    world_size,
-                    address,
-                    slot_base=lane * per_lane,
-                    slot_count=per_lane,
-                    k=k,
-                    timeout=timeout,
-                    bind=_worker_bind(address[0]),
+                    EMBEDDED_JOB + lane, rank, world_size, address, slot_base=lane * per_lane,
+                    slot_count=per_lane, k=k, timeout=timeout, bind=_worker_bind(address[0]),
                     key=shard_key(key, lane),
-                )
+                )  # fmt: skip
                 sessions.append(session)
                 session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
             mine = ",".join("{}:{}".format(*s.local_address) for s in sessions)
@@ -282,23 +309,7 @@ def _open_embedded(
             raise RuntimeError(f"switchagg ranks could not open their data plane: {'; '.join(failed)}")
         if aggregator is not None:
             try:
-                per_rank = [a.split(",") for a in addresses]
-                generation = random.randint(1, 0xFFFF)
-                for lane in range(lanes):
-                    pinned = [
-                        parse_host_port(a[lane], f"rank {r}'s address (lane {lane})")
-                        for r, a in enumerate(per_rank)
-                    ]
-                    aggregator.add_job(
-                        EMBEDDED_JOB + lane,
-                        world_size,
-                        lane * per_lane,
-                        per_lane,
-                        k,
-                        generation,
-                        pinned,
-                        key=shard_key(key, lane),
-                    )
+                _install_lanes(aggregator, addresses, world_size, k, per_lane, key, lanes)
             except Exception as e:
                 exchange.share(f"{FAILED_MARK}{e!r}")
                 raise

@@ -41,6 +41,35 @@ def _as_array(tensor: Any) -> np.ndarray:
     return tensor
 
 
+def _configure(
+    w: _core.Worker,
+    shard: Shard,
+    job: int,
+    rank: int,
+    n: int,
+    k: int,
+    rto: float,
+    rto_max: float,
+    timeout: float,
+) -> None:
+    w.configure(
+        shard.aggregator[0], shard.aggregator[1], job if shard.job is None else shard.job,
+        rank, n, shard.slot_base, shard.slot_count, k,
+        rto=rto, rto_max=rto_max, timeout=timeout, key=shard.key,
+    )  # fmt: skip
+
+
+def _warn_small_window(w: _core.Worker, slot_count: int, k: int, window: int) -> None:
+    warnings.warn(
+        f"switchagg: the socket's receive buffer is {w.rcvbuf} bytes (the rcvbuf asked "
+        f"for, or net.core.rmem_max), too small for the results of {slot_count} slots of K={k}; "
+        f"sending {window} at a time instead. Raise net.core.rmem_max to at least "
+        f"{w.rcvbuf_needed // 2} for the full window (the kernel doubles it).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class Session:
     """One rank of one job on a data plane (the P4 switch or the software aggregator).
 
@@ -96,11 +125,7 @@ class Session:
         while len(workers) < len(shards):  # shard 0 on the given port, the others on free ones
             workers.append(_core.Worker(bind[0], 0 if workers else bind[1], rcvbuf))
         for shard, w in zip(shards, workers, strict=True):
-            w.configure(
-                shard.aggregator[0], shard.aggregator[1], job if shard.job is None else shard.job,
-                rank, world_size, shard.slot_base, shard.slot_count, k,
-                rto=rto, rto_max=rto_max, timeout=timeout, key=shard.key,
-            )  # fmt: skip
+            _configure(w, shard, job, rank, world_size, k, rto, rto_max, timeout)
         self._worker = workers[0]
         self._workers = workers
         self.shards = tuple(shards)
@@ -112,14 +137,7 @@ class Session:
         aggregator = shards[0].aggregator
         slot_base, slot_count, key = shards[0].slot_base, shards[0].slot_count, shards[0].key
         if self.window < slot_count:
-            warnings.warn(
-                f"switchagg: the socket's receive buffer is {self._worker.rcvbuf} bytes (the rcvbuf asked "
-                f"for, or net.core.rmem_max), too small for the results of {slot_count} slots of K={k}; "
-                f"sending {self.window} at a time instead. Raise net.core.rmem_max to at least "
-                f"{self._worker.rcvbuf_needed // 2} for the full window (the kernel doubles it).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_small_window(self._worker, slot_count, k, self.window)
         self.job, self.rank, self.world_size, self.k = job, rank, world_size, k
         self.aggregator = aggregator
         self.slot_base, self.slot_count = slot_base, slot_count

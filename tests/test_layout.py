@@ -1,7 +1,7 @@
 """The house's layout, checked statically (ast, no imports): the three top-level packages import
 only downward (switchagg <- switchagg_controller <- switchagg_lab), nothing imports tests or
-benchmarks, no test or benchmark imports a test module or edits sys.path, and no two modules of
-the packages share a file name."""
+benchmarks, no test or benchmark imports a test module or edits sys.path, no two modules of the
+packages share a file name, and no function reaches 80 lines."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ PACKAGES = {  # package -> where it lives, what it may import of ours
 }
 OURS = {*PACKAGES, "tests", "bmv2_tests", "bench"}
 USERS = ["tests", "bmv2_tests", "bench", "examples", "tools", "docker"]
+MAX_FUNCTION_LINES = 80
 SKIP_PARTS = {"_proto", "build", ".venv", "__pycache__"}
 
 
@@ -69,3 +70,16 @@ def test_module_names_are_unique_across_the_packages() -> None:
             if path.name != "__init__.py":
                 seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {n: ps for n, ps in seen.items() if len(ps) > 1}
+
+
+def test_every_function_is_shorter_than_80_lines() -> None:
+    dirs = [where for where, _ in PACKAGES.values()] + [ROOT / d for d in USERS]
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in (p for d in dirs for p in _sources(d))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 >= MAX_FUNCTION_LINES
+    ]
+    assert not long, "\n".join(long)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from switchagg_lab.testing.kit import free_port  # noqa: E402
-from tests.torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
+from switchagg_lab.testing.torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
 
 
 def consecutive_tcp_ports(count: int) -> int:
@@ -323,7 +323,7 @@ def test_live_peer_slower_than_the_group_timeout_fails_after_it(tmp_path: Path) 
 def lanes_run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
-    """3 ranks with SWITCHAGG_LANES=2 and 3 (tests/torch_backend_worker.py, scenario_lanes)."""
+    """3 ranks with SWITCHAGG_LANES=2 and 3 (switchagg_lab.testing.torch_worker, scenario_lanes)."""
     n, lanes = 3, int(request.param)
     out = tmp_path_factory.mktemp(f"lanes{lanes}")
     for rank, (code, err) in enumerate(finish(launch("lanes", n, out, SWITCHAGG_LANES=str(lanes)))):

@@ -14,14 +14,14 @@ import pytest
 pytest.importorskip("torch")
 
 from switchagg import protocol  # noqa: E402
-from tests.torch_backend_worker import (  # noqa: E402
+from switchagg_lab.testing.torch_launch import finish, launch, read  # noqa: E402
+from switchagg_lab.testing.torch_worker import (  # noqa: E402
     SCALER_GROWTH_INTERVAL,
     SCALER_INIT_SCALE,
     SCALER_LR,
     SCALER_OVERFLOWS,
     SCALER_STEPS,
 )
-from tests.torch_launch import finish, launch, read  # noqa: E402
 
 VARIANTS = ["switchagg", "hook"]
 # K = 256: the model's 1,348 gradients span 6 blocks, so an injected element poisons one of them.
@@ -88,7 +88,7 @@ def test_same_steps_skipped_and_same_scales_as_gloo(ranks: list[dict[str, Any]],
 def step_bounds(ranks: list[dict[str, Any]]) -> float:
     """The documented bound on the parameters' difference to gloo, summed over the taken steps:
     lr times the averaged gradient's bound, 2 * protocol.error_bound(n, E) (the network sum's
-    bound plus gloo's own rounding, as tests/torch_backend_worker.py's check_ddp uses), with E the
+    bound plus gloo's own rounding, as switchagg_lab.testing.torch_worker's check_ddp uses), with E the
     exponent of the largest local scaled gradient on any rank and variant, divided by the scale."""
     n = len(ranks)
     scales = [SCALER_INIT_SCALE] + ranks[0]["gloo"]["scales"][:-1]  # the scale each step used

@@ -24,7 +24,7 @@ from switchagg.torch import precision  # noqa: E402
 from switchagg.torch.dataplane import check_reachable, default_bind, network_identity  # noqa: E402
 from switchagg.torch.stager import Stager  # noqa: E402
 from switchagg_lab.testing.kit import free_port  # noqa: E402
-from tests.torch_launch import finish, launch, read  # noqa: E402
+from switchagg_lab.testing.torch_launch import finish, launch, read  # noqa: E402
 
 NO_CUDA = "no CUDA device on this machine (torch.cuda.is_available() is False)"
 

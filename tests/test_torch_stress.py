@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.torch_launch import finish, launch, read  # noqa: E402
+from switchagg_lab.testing.torch_launch import finish, launch, read  # noqa: E402
 
 N = 4
 ITERATIONS = 200

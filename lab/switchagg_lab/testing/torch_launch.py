@@ -1,4 +1,4 @@
-"""Launching torch.distributed worker processes (tests/torch_backend_worker.py) and collecting
+"""Launching torch.distributed worker processes (switchagg_lab.testing.torch_worker) and collecting
 what they report, for the torch backend's tests."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from switchagg_lab.testing.kit import free_port
 
-WORKER = str(Path(__file__).parent / "torch_backend_worker.py")
+WORKER = [sys.executable, "-m", "switchagg_lab.testing.torch_worker"]
 HANG_GUARD = 180  # seconds; only there so that a hang fails instead of blocking CI
 
 
@@ -40,7 +40,7 @@ def launch(scenario: str, n: int, out: Path, **env: str) -> list[Worker]:
         log = out / f"stderr{r}.txt"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, WORKER, scenario, str(out)],
+                [*WORKER, scenario, str(out)],
                 env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                 stdout=subprocess.DEVNULL,
                 stderr=err,

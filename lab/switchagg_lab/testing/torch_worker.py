@@ -1,6 +1,6 @@
-"""One rank of a torch.distributed job on the "switchagg" backend, for tests/test_torch_backend.py.
+"""One rank of a torch.distributed job on the "switchagg" backend, for tests/test_torch_*.py.
 
-    python torch_backend_worker.py SCENARIO OUT_DIR     (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+    python -m switchagg_lab.testing.torch_worker SCENARIO OUT_DIR     (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
 
 Each rank writes OUT_DIR/rankR.json with what it observed; the test does the asserting.
 """

@@ -42,6 +42,13 @@ def readme_packages() -> list[str]:
     return [word for word in lines[0].split("install", 1)[1].split() if not word.startswith("-")]
 
 
+# A step that failed because the container cannot reach the Debian mirror or the package index
+# says so in one of these: that is this machine's network, not the quick start (skip, saying so).
+OFFLINE = re.compile(
+    r"Temporary failure resolving|Could not resolve|Failed to establish a new connection|"
+    r"Network is unreachable|Temporary failure in name resolution"
+)
+
 HOST = "/host"  # where the local paths of the host's pip settings appear in the container
 
 
@@ -128,6 +135,8 @@ def test_the_quick_start_on_a_stock_debian_12(tmp_path: Path) -> None:
                 )
                 print(f"{title}: {time.monotonic() - started:.0f} s, exit {done.returncode}")
                 out.flush()
+                if done.returncode != 0 and OFFLINE.search(log.read_text()):
+                    pytest.skip(f"{title}: the package registries are out of reach here ({OFFLINE.pattern})")
                 assert done.returncode == 0, f"{title} failed:\n{log.read_text()[-8000:]}"
         text = log.read_text()
         # The demo checked its sum; pytest ran the tests and all passed.

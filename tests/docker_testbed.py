@@ -110,17 +110,6 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def dangling_images() -> list[str]:
-    """Untagged images with the testbed's label that nothing builds on (what a prune would take)."""
-    tb = load_testbed()
-    out = subprocess.run(
-        ["docker", "images", "-q", "--filter", "dangling=true", "--filter", f"label={tb.IMAGE_LABEL}"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.split()
-
-
 def leftovers(project: str) -> list[str]:
     """Containers, networks and volumes of the project, and host rules it added."""
     label = f"label=com.docker.compose.project={project}"

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.docker_testbed import check_training, load_testbed, skip_reason
+
+from switchagg_lab.testing.docker_testbed import check_training, load_testbed, skip_reason
 
 
 # A cold run builds the images first (base, controller, worker: ~3 min here).

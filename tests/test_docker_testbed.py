@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.docker_testbed import (
+from switchagg_lab.testing.docker_testbed import (
     REPO,
     engine_cannot_run_containers,
     finals_of,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docker_testbed import REPO, engine_cannot_run_containers, load_testbed
+from switchagg_lab.testing.docker_testbed import REPO, engine_cannot_run_containers, load_testbed
 
 # What `make test` runs here: quick tests of the C extension (gcc, with the sanitizers), the
 # quantizer, and the torch backend's setup (torch imported, the entry point).

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]  # the checkout: lab/switchagg_lab/testing/ is three below
 FINAL = re.compile(
     r"^(worker\d+)_1\s+\|\s+\[(\w+)\] rank (\d+)/(\d+) final: loss (\S+)\s+"
     r"test accuracy (\S+)%\s+data plane (\S+)",

@@ -13,7 +13,7 @@ from switchagg import protocol
 
 P4 = "p4"
 SOFTWARE = "software"
-TWO_LEVEL = "two-level"  # software leaves behind a software spine (hierarchy.py)
+TWO_LEVEL = "two-level"  # software leaves behind a software spine (two_level_plane.py)
 SW_POOL_SLOTS = protocol.POOL_SLOT_MASK + 1  # 32768: the pool field's 15 bits
 
 

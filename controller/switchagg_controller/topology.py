@@ -36,7 +36,7 @@ the leaves and the spine. A spine needs no hosts of its own.
 The spine may be a software aggregator instead (mixed hierarchies: P4 leaves, a software spine),
 listed under ``software_spines`` with the address the leaves send their partials to (``listen``,
 where it serves, and the MAC of that address); the leaf's uplink then names it without a
-``spine_port``. Like a two-level node (hierarchy.py), it is embedded in the controller, or runs
+``spine_port``. Like a two-level node (software_nodes.py), it is embedded in the controller, or runs
 elsewhere and names its control service and secret (relative to this file):
 
 software_spines:

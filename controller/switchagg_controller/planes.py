@@ -102,6 +102,19 @@ def job_counters(plane: str, c: Counters) -> list[CounterValue]:
     return out
 
 
+def read_node(reading: CounterReading, plane: str, agg: AggregatorHandle) -> None:
+    """One software node's counters (totals, drops, jobs) into ``reading``, labelled ``plane``; a
+    node that does not answer (a remote one that is away) is named in ``unavailable`` instead."""
+    try:
+        c = agg.counters()
+    except Exception as e:  # the others still answer
+        reading.unavailable[plane] = str(e) or type(e).__name__
+        return
+    reading.values += [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
+    reading.values += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
+    reading.values += job_counters(plane, c)
+
+
 def reconcile_jobs(
     agg: AggregatorHandle, want: dict[int, Job], add: Callable[[Job], None]
 ) -> tuple[int, int]:

@@ -43,9 +43,8 @@ from switchagg_controller import allocation
 from switchagg_controller.model import Job, JobShard, Remote, WorkerAddr
 from switchagg_controller.planes import (
     CounterReading,
-    CounterValue,
     DataPlaneError,
-    job_counters,
+    read_node,
     reconcile_jobs,
 )
 from switchagg_controller.topology import (
@@ -397,13 +396,5 @@ class StripedDataPlane:
         for spec, agg in zip(self.specs, self.nodes, strict=True):
             if agg is None:
                 continue
-            plane = f"{self.name}:{spec.name}"
-            try:
-                c = agg.counters()
-            except Exception as e:  # a remote reducer that is away: the others still answer
-                reading.unavailable[plane] = str(e) or type(e).__name__
-                continue
-            out = [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
-            out += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
-            reading.values += out + job_counters(plane, c)
+            read_node(reading, f"{self.name}:{spec.name}", agg)
         return reading

@@ -16,7 +16,7 @@ from switchagg_controller.planes import (
     CounterReading,
     CounterValue,
     DataPlaneError,
-    job_counters,
+    read_node,
     reconcile_jobs,
 )
 from switchagg_controller.two_level_spec import SPINE, TwoLevelSpec
@@ -189,15 +189,7 @@ class TwoLevelDataPlane:
             *((s.name, a) for s, a in zip(self.spec.leaves, self.leaves, strict=True)),
         ]
         for node, agg in named:
-            plane = f"{self.name}:{node}"
-            try:
-                c = agg.counters()
-            except Exception as e:  # a remote node that is away: the others still answer
-                reading.unavailable[plane] = str(e) or type(e).__name__
-                continue
-            out = [CounterValue(plane, "total", n, 0, int(c[n])) for n in ("rx", "tx")]
-            out += [CounterValue(plane, "drops", n, 0, int(c["drops"][n])) for n in protocol.DROP_REASONS]
-            reading.values += out + job_counters(plane, c)
+            read_node(reading, f"{self.name}:{node}", agg)
         return reading
 
     def counter_values(self) -> list[CounterValue]:

@@ -102,6 +102,14 @@ def job_counters(plane: str, c: Counters) -> list[CounterValue]:
     return out
 
 
+def _install_failed(what: str, e: BaseException) -> DataPlaneError:
+    """The error of an install that failed on a switch: unavailable if the switch was away."""
+    from switchagg_controller.supervisor import SwitchUnavailable
+
+    unavailable = isinstance(e, SwitchUnavailable | asyncio.TimeoutError)
+    return DataPlaneError(f"installing {what} failed: {e}", unavailable)
+
+
 def read_node(reading: CounterReading, plane: str, agg: AggregatorHandle) -> None:
     """One software node's counters (totals, drops, jobs) into ``reading``, labelled ``plane``; a
     node that does not answer (a remote one that is away) is named in ``unavailable`` instead."""
@@ -458,24 +466,13 @@ class P4DataPlane:
                 self._rails[sw].pop(job_id, None)
             for sw, view in before.items():
                 self._rails.setdefault(sw, {})[job_id] = view
-            for other in touched[: touched.index(switch)]:
-                try:
-                    await self._push(other)
-                except Exception:  # noqa: S110 - the supervisor reapplies the desired state when back
-                    pass
-            from switchagg_controller.supervisor import SwitchUnavailable
-
-            unavailable = isinstance(e, SwitchUnavailable | asyncio.TimeoutError)
-            raise DataPlaneError(
-                f"installing job {job_id} on rail switch {switch} failed: {e}", unavailable
-            ) from e
+            await self._push_quietly(touched[: touched.index(switch)])
+            raise _install_failed(f"job {job_id} on rail switch {switch}", e) from e
 
     async def remove_rails(self, job_id: int) -> None:
-        for switch in [sw for sw, jobs in self._rails.items() if jobs.pop(job_id, None) is not None]:
-            try:
-                await self._push(switch)
-            except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
-                pass
+        await self._push_quietly(
+            [sw for sw, jobs in self._rails.items() if jobs.pop(job_id, None) is not None]
+        )
 
     async def rail_counters(self, labels: dict[str, str], timeout: float = 5.0) -> CounterReading:
         """The job counters of the rail views on the switches of ``labels`` (switch -> data plane
@@ -559,27 +556,23 @@ class P4DataPlane:
                 self._jobs[job.job_id] = previous
             if soft_spine is not None:
                 await self._off_software_spine(soft_spine, job)
-            for other in switches[: switches.index(switch)]:  # take it off the switches it reached
-                try:
-                    await self._push(other)
-                except Exception:  # noqa: S110 - the supervisor reapplies the desired state when back
-                    pass
-            from switchagg_controller.supervisor import SwitchUnavailable
-
-            unavailable = isinstance(e, SwitchUnavailable | asyncio.TimeoutError)
-            raise DataPlaneError(
-                f"installing job {job.job_id} on P4 switch {switch} failed: {e}", unavailable
-            ) from e
+            await self._push_quietly(switches[: switches.index(switch)])  # off the switches it reached
+            raise _install_failed(f"job {job.job_id} on P4 switch {switch}", e) from e
 
     async def remove(self, job: Job) -> None:
         self._jobs.pop(job.job_id, None)
-        for switch in reversed(self.switches_of(job)):
-            try:
-                await self._push(switch)
-            except Exception:  # noqa: S110 - the supervisor reapplies the desired state when the switch is back
-                pass
+        await self._push_quietly(list(reversed(self.switches_of(job))))
         if spine := self.software_spine_of(job):
             await self._off_software_spine(spine, job)
+
+    async def _push_quietly(self, switches: list[str]) -> None:
+        """Pushes each switch's desired state; one that fails is left to its supervisor, which
+        reapplies the desired state when the switch is back."""
+        for switch in switches:
+            try:
+                await self._push(switch)
+            except Exception:  # noqa: S110 - see above
+                pass
 
     async def _off_software_spine(self, spine: str, job: Job) -> None:
         """Takes ``job`` off a software spine, or puts back the one it replaced (a failed reinstall)."""

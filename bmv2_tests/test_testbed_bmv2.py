@@ -13,6 +13,7 @@ import pytest
 
 from switchagg_lab.bmv2.skip import skip_reason
 from switchagg_lab.testbed import netns
+from switchagg_lab.testing.kit import run_testbed_cli as cli
 
 NAME = f"b{os.getpid() % 10**7}"
 WORKER = (
@@ -26,8 +27,7 @@ WORKER = (
 
 
 def _cli(env: dict[str, str], command: str, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", command, "--name", NAME, *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    return cli(command, "--name", NAME, *args, env=env, timeout=300)
 
 
 def test_the_testbed_command_with_the_bmv2_data_plane(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 from switchagg import protocol
 from switchagg_lab.testbed import netns, tools
 from switchagg_lab.testbed.rack import AGG_IP, Testbed
+from switchagg_lab.testing.kit import run_testbed_cli as cli
 
 REASON = tools.missing_for(["ip", "tc"], "the testbed tests")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -101,30 +102,20 @@ def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> No
     assert all(link["up"]["dropped"] == link["down"]["dropped"] == 0 for link in links), links
 
 
-def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
 @pytest.fixture
 def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {**os.environ, "SWITCHAGG_TESTBED_DIR": str(tmp_path / "state")}
     yield env
-    _cli("down", "--name", NAME, env=env)
+    cli("down", "--name", NAME, env=env)
 
 
 def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None:
     env = cli_env
-    up = _cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
+    up = cli("up", "--name", NAME, "-n", "2", "--rate", "100", env=env)
     assert up.returncode == 0, up.stderr
-    again = _cli("up", "--name", NAME, "-n", "2", "--rate", "100mbit", env=env)  # tc's units: the same
+    again = cli("up", "--name", NAME, "-n", "2", "--rate", "100mbit", env=env)  # tc's units: the same
     assert again.returncode == 0 and "up already" in again.stdout, again.stderr
-    other = _cli("up", "--name", NAME, "-n", "3", env=env)
+    other = cli("up", "--name", NAME, "-n", "3", env=env)
     assert other.returncode == 1 and "down" in other.stderr
 
     script = (
@@ -136,12 +127,12 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
         "print('sum-ok' if (x == np.arange(5000, dtype=np.int32) * 3).all() else 'sum-WRONG', "
         "s.data_plane, '{ip}'); s.close()"
     )
-    run = _cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
+    run = cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = sorted(line for line in run.stdout.splitlines() if "sum-" in line)
     assert lines == ["[h0] sum-ok software 10.201.0.1", "[h1] sum-ok software 10.201.0.2"], run.stdout
 
-    status = _cli("status", "--name", NAME, "--json", env=env)
+    status = cli("status", "--name", NAME, "--json", env=env)
     report = json.loads(status.stdout)
     assert status.returncode == 0 and report["up"] and report["processes"] == {"service": True}
     assert all(link["up"]["bytes"] > 20000 and link["down"]["bytes"] > 20000 for link in report["links"])
@@ -152,7 +143,7 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
         "SWITCHAGG_SECRET_FILE": str(state_dir / "secret"),
     }
     assert report["ctl_env"] == ctl_env
-    text = _cli("status", "--name", NAME, env=env).stdout
+    text = cli("status", "--name", NAME, env=env).stdout
     export = next(line.strip() for line in text.splitlines() if line.strip().startswith("export "))
     assert dict(item.split("=", 1) for item in shlex.split(export)[1:]) == ctl_env, text
     ctl = subprocess.run(
@@ -169,39 +160,39 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     )  # fmt: skip
     assert piped.returncode == 0 and piped.stderr == "" and piped.stdout.endswith(" 1\n"), piped
 
-    failing = _cli("run", "--name", NAME, "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
+    failing = cli("run", "--name", NAME, "--grace", "5", "--", "sh", "-c", "exit $((RANK + 3))", env=env)
     assert failing.returncode in (3, 4), failing.stderr
 
-    down = _cli("down", "--name", NAME, env=env)
+    down = cli("down", "--name", NAME, env=env)
     assert down.returncode == 0 and _ours(PREFIX) == []
     assert not Path(env["SWITCHAGG_TESTBED_DIR"], NAME).exists()
-    gone = _cli("status", "--name", NAME, env=env)
+    gone = cli("status", "--name", NAME, env=env)
     assert gone.returncode == 1 and "down" in gone.stdout
 
 
 def test_up_after_a_crash_sweeps_what_the_crashed_run_left(cli_env: dict[str, str]) -> None:
     env = cli_env
-    assert _cli("up", "--name", NAME, "-n", "2", env=env).returncode == 0
+    assert cli("up", "--name", NAME, "-n", "2", env=env).returncode == 0
     state = json.loads(Path(env["SWITCHAGG_TESTBED_DIR"], NAME, "state.json").read_text())
     os.kill(state["pids"]["service"], 9)  # the job service dies; its namespaces stay behind
     # a half-built link
     netns.sh("ip", "link", "add", f"{PREFIX}h7", "type", "veth", "peer", "name", f"{PREFIX}h8")
     netns.sh("ip", "netns", "add", f"{PREFIX}h5")  # and a namespace of a larger testbed
-    status = _cli("status", "--name", NAME, env=env)
+    status = cli("status", "--name", NAME, env=env)
     assert status.returncode == 1 and "BROKEN" in status.stdout
-    up = _cli("up", "--name", NAME, "-n", "2", env=env)
+    up = cli("up", "--name", NAME, "-n", "2", env=env)
     assert up.returncode == 0, up.stderr
     assert f"{PREFIX}h" not in netns.sh("ip", "-o", "link", "show")
     assert sorted(_ours(PREFIX)) == [f"{PREFIX}h0", f"{PREFIX}h1", f"{PREFIX}sw"]
-    assert _cli("status", "--name", NAME, env=env).returncode == 0
+    assert cli("status", "--name", NAME, env=env).returncode == 0
 
 
 def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: dict[str, str]) -> None:
     env = cli_env
-    up = _cli("up", "--name", NAME, "--racks", "2,2", "--rate", "400", "--uplink-rate", "200", env=env)
+    up = cli("up", "--name", NAME, "--racks", "2,2", "--rate", "400", "--uplink-rate", "200", env=env)
     assert up.returncode == 0, up.stderr
     assert "leaves at 10.212.1.254, 10.212.2.254, spine at 10.212.0.254" in up.stdout
-    bad = _cli("up", "--name", "other", "--racks", "2,2", "--data-plane", "bmv2", env=env)
+    bad = cli("up", "--name", "other", "--racks", "2,2", "--data-plane", "bmv2", env=env)
     assert bad.returncode == 1 and "--data-plane software" in bad.stderr
 
     size = 200_000  # 800 kB per worker: the uplinks' share is measurable
@@ -214,7 +205,7 @@ def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: di
         f"print('sum-ok' if (x == np.arange({size}, dtype=np.int32) * 10).all() else 'sum-WRONG', "
         "s.data_plane, '{ip}'); s.close()"
     )
-    run = _cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
+    run = cli("run", "--name", NAME, "--timeout", "120", "--", sys.executable, "-c", script, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = sorted(line for line in run.stdout.splitlines() if "sum-" in line)
     assert lines == [
@@ -222,7 +213,7 @@ def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: di
         for i, ip in enumerate(["10.212.1.1", "10.212.1.2", "10.212.2.1", "10.212.2.2"])
     ], run.stdout
 
-    status = _cli("status", "--name", NAME, "--json", env=env)
+    status = cli("status", "--name", NAME, "--json", env=env)
     report = json.loads(status.stdout)
     assert status.returncode == 0 and report["up"], status.stdout
     assert set(report["processes"]) == {"spine", "rack0", "rack1", "service"}
@@ -232,5 +223,5 @@ def test_the_testbed_command_builds_racks_with_two_level_aggregation(cli_env: di
         rack_up = sum(w["up"]["bytes"] for w in workers[2 * rack : 2 * rack + 2])
         assert 4 * size < uplink["up"]["bytes"] < 0.75 * rack_up, (uplink, rack_up)
 
-    down = _cli("down", "--name", NAME, env=env)
+    down = cli("down", "--name", NAME, env=env)
     assert down.returncode == 0 and _ours(PREFIX) == []

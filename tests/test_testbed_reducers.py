@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from switchagg_lab.testbed import netns, tools
+from switchagg_lab.testing.kit import run_testbed_cli as cli
 
 REASON = tools.missing_for(["ip", "tc"], "the testbed tests")
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -35,21 +36,11 @@ SCRIPT = (
 )
 
 
-def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
 @pytest.fixture
 def cli_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {**os.environ, "SWITCHAGG_TESTBED_DIR": str(tmp_path / "state")}
     yield env
-    _cli("down", "--name", NAME, env=env)
+    cli("down", "--name", NAME, env=env)
 
 
 def _reports(run: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
@@ -59,7 +50,7 @@ def _reports(run: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
 
 def test_the_testbed_runs_a_job_striped_across_two_reducer_hosts(cli_env: dict[str, str]) -> None:
     env = cli_env
-    up = _cli("up", "--name", NAME, "-n", "2", "--reducers", "2", "--rate", "200mbit", env=env)
+    up = cli("up", "--name", NAME, "-n", "2", "--reducers", "2", "--rate", "200mbit", env=env)
     assert up.returncode == 0, up.stderr
     assert "2 reducer hosts (10.201.0.101, 10.201.0.102)" in up.stdout, up.stdout
     prefix = f"sat{NAME}-"
@@ -68,18 +59,18 @@ def test_the_testbed_runs_a_job_striped_across_two_reducer_hosts(cli_env: dict[s
         assert "tbf" in qdisc and "200Mbit" in qdisc, qdisc
 
     run = ["run", "--name", NAME, "--timeout", "120", "--", "env"]
-    striped = _cli(*run, "JOB=wide", sys.executable, "-c", SCRIPT, env=env)
+    striped = cli(*run, "JOB=wide", sys.executable, "-c", SCRIPT, env=env)
     reports = _reports(striped)
     assert len(reports) == 2 and all(r["ok"] for r in reports), reports
     assert all(r["plane"] == "striped" and r["shards"] == ["10.201.0.101", "10.201.0.102"] for r in reports)
-    status = json.loads(_cli("status", "--name", NAME, "--json", env=env).stdout)
+    status = json.loads(cli("status", "--name", NAME, "--json", env=env).stdout)
     assert status["up"] and set(status["processes"]) == {"service", "r0", "r1"}, status
 
-    switch = _cli(*run, "JOB=flat", "SWITCHAGG_SHARDS=0", sys.executable, "-c", SCRIPT, env=env)
+    switch = cli(*run, "JOB=flat", "SWITCHAGG_SHARDS=0", sys.executable, "-c", SCRIPT, env=env)
     reports = _reports(switch)
     assert len(reports) == 2 and all(
         r["ok"] and r["plane"] == "software" and r["shards"] == [] for r in reports
     )
 
-    assert _cli("down", "--name", NAME, env=env).returncode == 0
+    assert cli("down", "--name", NAME, env=env).returncode == 0
     assert [n for n in netns.namespaces() if n.startswith(prefix)] == []

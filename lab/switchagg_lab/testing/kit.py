@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,3 +73,11 @@ def json_reports(procs: Sequence[subprocess.Popen[str]], timeout: float = 300.0)
     failed = [f"exit {d.returncode}: {(d.stderr or '').strip()[-2000:]}" for d in done if d.returncode != 0]
     assert not failed, "\n".join(failed)
     return [json.loads(d.stdout.strip().splitlines()[-1]) for d in done]
+
+
+def run_testbed_cli(
+    *args: str, env: dict[str, str], timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``switchagg-testbed ARGS`` (as this interpreter's module), its output captured."""
+    argv = [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,10 @@ from switchagg import Session, _core, protocol
 from switchagg.aggregator import SoftwareAggregator, new_key
 from switchagg.protocol import MSG_RESULT, Header
 from switchagg_lab.testing.checks import float_bound
-from switchagg_lab.testing.kit import wait_until
+from switchagg_lab.testing.kit import (
+    allreduce_all,  # noqa: E402
+    wait_until,
+)
 from switchagg_lab.testing.prom import scrape, value
 
 WAIT_S = 30.0  # only guards against hangs
@@ -160,23 +162,6 @@ def _start_daemon(threads: int, workers: list[_core.Worker], key: int, tmp: Path
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _allreduce_all(sessions: list[Session], tensors: list[np.ndarray]) -> None:
-    errors: list[BaseException] = []
-
-    def one(s: Session, t: np.ndarray) -> None:
-        try:
-            s.allreduce(t)
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
-
-    runs = [threading.Thread(target=one, args=st) for st in zip(sessions, tensors, strict=True)]
-    for t in runs:
-        t.start()
-    for t in runs:
-        t.join(WAIT_S * 2)
-    assert not errors, errors
-
-
 @pytest.mark.parametrize("threads", [2, 4])
 def test_sums_are_exact_and_every_thread_serves_its_slots(threads: int, tmp_path: Path) -> None:
     """switchagg-aggregator --threads N, 4 unchanged workers, a 16-slot job: int32 exact, float32
@@ -199,8 +184,8 @@ def test_sums_are_exact_and_every_thread_serves_its_slots(threads: int, tmp_path
         ints = [rng.integers(-(2**30), 2**30, INT_SIZE, dtype=np.int32) for _ in range(N)]
         floats = [(rng.standard_normal(FLOAT_SIZE) * (r + 1)).astype(np.float32) for r in range(N)]
         got_i, got_f = [x.copy() for x in ints], [x.copy() for x in floats]
-        _allreduce_all(sessions, got_i)
-        _allreduce_all(sessions, got_f)
+        allreduce_all(sessions, got_i, WAIT_S * 2)
+        allreduce_all(sessions, got_f, WAIT_S * 2)
         want_i = np.sum([x.astype(np.int64) for x in ints], axis=0).astype(np.int32)  # wraps as int32
         exact = np.sum([x.astype(np.float64) for x in floats], axis=0)
         bound = float_bound(floats, K)

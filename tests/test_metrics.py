@@ -23,7 +23,10 @@ pytest.importorskip("prometheus_client", reason="the metrics need prometheus-cli
 
 from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator  # noqa: E402
-from switchagg_lab.testing.kit import free_port
+from switchagg_lab.testing.kit import (
+    allreduce_all,  # noqa: E402
+    free_port,
+)
 from switchagg_lab.testing.prom import Samples, scrape, value  # noqa: E402
 
 WAIT_S = 30.0
@@ -78,23 +81,6 @@ K, N, SIZE = 1024, 2, 200_000  # 196 chunks per allreduce
 CHUNKS = -(-SIZE // K)
 
 
-def _allreduce_all(sessions: list[Session], tensors: list[np.ndarray]) -> None:
-    errors: list[BaseException] = []
-
-    def one(s: Session, t: np.ndarray) -> None:
-        try:
-            s.allreduce(t)
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(s, t)) for s, t in zip(sessions, tensors, strict=True)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S * 2)
-    assert not errors, errors
-
-
 def _eventually(check: Callable[[], Samples | None], what: str) -> Samples:
     """Calls ``check`` (which scrapes) until it returns samples: a retransmission still in flight
     when the allreduces returned reaches the aggregator a moment later. Bounded; the failure says what."""
@@ -134,7 +120,7 @@ def _lossy_rounds(
     now: Samples = {}
     for round_ in (1, 2):
         tensors = [x.copy() for x in inputs]
-        _allreduce_all(sessions, tensors)
+        allreduce_all(sessions, tensors, WAIT_S * 2)
         assert all(np.array_equal(t, expected) for t in tensors)
 
         def settled() -> Samples | None:

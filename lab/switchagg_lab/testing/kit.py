@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,3 +82,23 @@ def run_testbed_cli(
     """``switchagg-testbed ARGS`` (as this interpreter's module), its output captured."""
     argv = [sys.executable, "-m", "switchagg_lab.testbed.testbed_cli", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def allreduce_all(sessions: Sequence[Any], tensors: Sequence[Any], timeout: float = 120.0) -> None:
+    """Every rank's allreduce at once, one thread each (the worker releases the GIL): the ranks of
+    one call must all be in it. A rank's error is raised here, in the caller's thread."""
+    errors: list[BaseException] = []
+
+    def one(s: Any, t: Any) -> None:
+        try:
+            s.allreduce(t)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    runs = [threading.Thread(target=one, args=st) for st in zip(sessions, tensors, strict=True)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in runs), f"an allreduce still runs after {timeout:g} s"

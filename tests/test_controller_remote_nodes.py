@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,12 @@ from switchagg_controller.allocation import TWO_LEVEL
 from switchagg_controller.topology import TopologyError
 from switchagg_controller.two_level_spec import parse_two_level
 from switchagg_lab.testing.controller import SECRET, Controller, collect, expected_int_sum, start_workers
-from switchagg_lab.testing.job_worker import PROGRAM
+from switchagg_lab.testing.job_worker import expected
+from switchagg_lab.testing.kit import wait_until
 from switchagg_lab.testing.reliability import Reliability
 from switchagg_lab.testing.remote_nodes import NODE_SECRET, remote_nodes, remote_nodes_spec
+from switchagg_lab.testing.stepped import LENGTH, WAIT_S, leave, read_line, step, stepped_worker
 from switchagg_lab.testing.topologies import LOOPBACK_WORKER_IPS as WORKER_IPS
-
-ROUNDS, LENGTH = 30, 20000
 
 
 def test_remote_node_file_errors() -> None:
@@ -93,78 +92,73 @@ def test_remote_spine_and_leaves_sum_exactly(tmp_path: Path) -> None:
     state="the job reinstalled on the restarted leaf",
 )
 def test_a_leaf_restarted_under_a_running_job_is_reconciled(tmp_path: Path, reliability: Reliability) -> None:
+    # Stepped workers (one allreduce per stdin line): the job cannot end before the leaf dies,
+    # however slow the machine (a free-running job of a few rounds could finish first, and a
+    # job that is gone is rightly not reinstalled).
     nodes = remote_nodes(tmp_path)
     for a in nodes:
         a.start()
     c = Controller(tmp_path, ["--two-level", str(remote_nodes_spec(tmp_path, nodes))]).start()
-    rack1 = nodes[2]
+    rack1, n = nodes[2], len(WORKER_IPS)
+    procs = [stepped_worker(c, "long", n, ip) for ip in WORKER_IPS]
     try:
-        configs = [
-            {
-                "service": c.address,
-                "secret": SECRET,
-                "name": "long",
-                "n": len(WORKER_IPS),
-                "ip": ip,
-                "length": LENGTH,
-                "iterations": ROUNDS,
-                "leave": True,
-            }  # fmt: skip
-            for ip in WORKER_IPS
-        ]
-        procs = [
-            subprocess.Popen(
-                [*PROGRAM, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            for cfg in configs
-        ]
+        for p in procs:
+            read_line(p)  # joined
+        for _ in range(3):
+            step(procs, n)
         with RemoteAggregator(rack1.target, NODE_SECRET, timeout=2.0) as remote:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # wait until the job runs through rack1
-                jobs = remote.counters()["jobs"]
-                if any(j["aggregated"] > 0 for j in jobs.values()):
-                    break
-                time.sleep(0.05)
-            else:
-                raise AssertionError("the job never reached rack1")
+            assert any(j["aggregated"] > 0 for j in remote.counters()["jobs"].values())
+            for p in procs:  # one round in flight while the leaf dies
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
             rack1.kill()
             rack1.start()  # the same address, empty
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # the controller reinstalls the job on it
-                try:
-                    if remote.jobs():
-                        break
-                except ControlError:
-                    pass
-                time.sleep(0.1)
-            else:
-                raise AssertionError("the controller did not reinstall the job on the restarted leaf")
-            outcomes = []
-            for p in procs:
-                out, err = p.communicate(timeout=180)
-                outcomes.append((p.returncode, out, err))
-            after = remote.counters()
+            wait_until(
+                lambda: _holds_jobs(remote), 30, "the controller reinstalls the job on the restarted leaf"
+            )
+            sums = [_sum_or_none(p) for p in procs]
+            exact = sums == [int(expected(LENGTH, 1, n)[0])] * n
+            if exact:
+                for _ in range(3):  # and the job goes on through the restarted leaf
+                    step(procs, n)
+                leave(procs)
+                assert remote.counters()["rx"] > 0
         # docs/PROTOCOL.md, Restarting a leaf: exact, or every worker fails with its session
         # timeout (a round some local worker had finished); never a wrong sum.
-        codes = [code for code, _, _ in outcomes]
         reliability.record(
-            sums=ROUNDS * codes.count(0), outcome="exact" if codes == [0] * 4 else "failed cleanly"
+            sums=n * (6 if exact else 3) + sum(x is not None for x in sums),
+            outcome="exact" if exact else "failed cleanly",
         )
-        if codes == [0, 0, 0, 0]:
-            for _, out, _ in outcomes:
-                assert json.loads(out.strip().splitlines()[-1])["ok"] == ROUNDS
-            assert after["rx"] > 0  # the job went on through the restarted leaf
-        else:
-            for code, out, err in outcomes:
-                assert code != 0 or json.loads(out.strip().splitlines()[-1])["ok"] == ROUNDS, err[-800:]
+        if not exact:
+            for p, got in zip(procs, sums, strict=True):
+                _, err = p.communicate(timeout=WAIT_S)
+                assert got is None or got == int(expected(LENGTH, 1, n)[0]), err[-800:]
                 assert "differ" not in err
-            print(f"\nleaf restart: the job failed cleanly (exit codes {codes})")
+            print(f"\nleaf restart: the job failed cleanly (sums {sums})")
         log = c.stop()
         assert "two-level node 2 reconciled: 1 job(s) installed" in log
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         c.stop()
         for a in nodes:
             a.stop()
+
+
+def _holds_jobs(remote: RemoteAggregator) -> bool:
+    try:
+        return bool(remote.jobs())
+    except ControlError:  # not serving yet
+        return False
+
+
+def _sum_or_none(p: subprocess.Popen[str]) -> int | None:
+    """The step's sum, or None if the worker ended (its session timed out)."""
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    return json.loads(line)["sum"] if line else None
 
 
 async def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> None:

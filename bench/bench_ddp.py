@@ -248,10 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ:
         args.result = os.environ["SWITCHAGG_BENCH_RESULT"]
         worker(args)
-        # No interpreter finalization under DDP's gloo threads (docs/TORCH.md, Limits).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        return 0
     report(launch(args, argv), Path(args.out))
     return 0
 

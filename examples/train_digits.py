@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -147,13 +146,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalization. gloo's worker threads outlive destroy_process_group
-    # (DDP keeps the group alive from C++), and one may still be freeing a finished collective
-    # whose tensors are Python objects, which takes the GIL; during finalization Python ends such
-    # a thread inside a C++ destructor and the rank aborts ("terminate called without an active
-    # exception"; 2 of 60 runs of 4 ranks on 2 busy cores, torch 2.13, Python 3.11). Everything
-    # is closed and written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

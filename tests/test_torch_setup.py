@@ -90,13 +90,47 @@ def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> Non
         "w = dist.group.WORLD\n"
         "print(type(w).__name__, w.stats()['network'], t.sum().item(), flush=True)\n"
         "dist.destroy_process_group()\n"
-        "os._exit(0)\n"
     )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     env.pop("SWITCHAGG_JOB_SERVICE", None)
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["ProcessGroupSwitchagg", "{'allreduce':", "1}", "10.0"], done.stdout
+
+
+def test_exit_waits_for_the_gloo_threads(tmp_path: Path) -> None:
+    """Importing switchagg.torch registers leaving.settle at exit: it finds gloo's worker threads
+    and returns once they all sleep, so none frees a Python tensor during finalization; the
+    process, which leaves normally, exits 0 with nothing on stderr."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist\n"
+        "import switchagg.torch\n"
+        "from switchagg.torch import leaving\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(1000)\n"
+        "works = [dist.all_reduce(t.clone(), async_op=True) for _ in range(20)]\n"
+        "dist.barrier()\n"
+        "threads = leaving.gloo_threads()\n"
+        "atexit.register(lambda: print('exit handler ran', flush=True))\n"
+        "print(len(threads), sorted(set(threads.values()) - set('RS')), leaving.settle(), flush=True)\n"
+    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+    first, handler = done.stdout.splitlines()
+    threads, odd, quiet = first.split(" ", 2)
+    assert int(threads) >= 1 and odd == "[]" and quiet == "True", done.stdout
+    assert handler == "exit handler ran"
+
+
+def test_settle_gives_up_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from switchagg.torch import leaving
+
+    monkeypatch.setattr(leaving, "gloo_threads", lambda: {1: "R"})  # one that never sleeps
+    assert leaving.settle(bound=0.05) is False
+    monkeypatch.setattr(leaving, "gloo_threads", dict)  # none at all
+    assert leaving.settle() is True
 
 
 class Job:

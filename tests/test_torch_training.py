@@ -47,6 +47,7 @@ def train(backend: str, tmp: Path) -> dict[str, Any]:
     # The timeout only turns a hang into a failure; it is no performance assertion.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    assert "terminate called" not in proc.stderr  # the example leaves normally (switchagg.torch.leaving)
     assert f"[{backend}] epoch   {EPOCHS}" in proc.stdout
     result: dict[str, Any] = json.loads(out.read_text())
     assert result["backend"] == backend and result["world_size"] == WORLD

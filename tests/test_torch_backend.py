@@ -372,3 +372,32 @@ def test_lanes_mismatch_fails_every_rank(lanes_run: list[dict[str, Any]]) -> Non
         after = r["after"]
         assert after is not None and after["error"] in ("SwitchaggError", "SwitchaggTimeout"), after
         assert "failed" in after["message"] and "100000" in after["message"], after
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_shards_hosted_by_the_ranks(tmp_path: Path, lanes: int) -> None:
+    """SWITCHAGG_SHARDS=2 in embedded mode, 3 ranks: ranks 0 and 1 host an aggregator each, every
+    tensor is striped over both (with 2 lanes: a job per lane on each); int32 exact, floats within
+    the bound, DDP (backend and hook) against gloo, and both aggregators summed and dropped nothing."""
+    n = 3
+    env = {"SWITCHAGG_SHARDS": "2", "SWITCHAGG_LANES": str(lanes), "SWITCHAGG_K": "512"}
+    for rank, (code, err) in enumerate(finish(launch("shards", n, tmp_path, **env))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    results = [read(tmp_path, r) for r in range(n)]
+    assert [r["hosts"] for r in results] == [True, True, False]
+    shards = results[0]["shards"]
+    assert len(shards) == lanes and all(len(lane) == 2 and lane[0] != lane[1] for lane in shards), shards
+    assert all(r["shards"] == shards for r in results)  # every rank stripes over the same aggregators
+    for r in results:
+        assert not r["lane_wrong"], r["lane_wrong"]
+        assert r["ddp_backend_network_allreduces"] >= 3 and r["ddp_hook_network_allreduces"] >= 3
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"] and r["ddp_hook_max_diff"] <= r["ddp_bound"]
+    for r in results[:2]:
+        assert r["aggregated"] > 0 and r["dropped"] == 0, r
+
+
+def test_more_shards_than_ranks_is_refused(tmp_path: Path) -> None:
+    for rank, (code, err) in enumerate(finish(launch("bad_aggregator", 2, tmp_path, SWITCHAGG_SHARDS="3"))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+        r = read(tmp_path, rank)
+        assert r["error"] == "ValueError" and "SWITCHAGG_SHARDS='3' must be within [0, 2]" in r["message"], r

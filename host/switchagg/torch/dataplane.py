@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # The job id an embedded aggregator gives its only job.
 EMBEDDED_JOB = 1
-# Published instead of an address when rank 0 failed to start the aggregator.
+# Published instead of an address or a confirmation when a rank failed to start.
 FAILED_MARK = "!"
 
 
@@ -47,8 +47,9 @@ DEFAULT_LANES = 1
 @dataclass
 class DataPlane:
     """One rank's lanes (``lanes``: one Session each; ``session`` is lane 0's, whose attributes
-    describe the group's job), plus the aggregator this rank runs (embedded mode, rank 0). In job
-    service mode each lane's session heartbeats and leaves its job when closed."""
+    describe the group's job), plus the aggregator this rank runs (embedded mode: rank 0, and with
+    SWITCHAGG_SHARDS the other hosting ranks). In job service mode each lane's session heartbeats
+    and leaves its job when closed."""
 
     lanes: Lanes
     aggregator: SoftwareAggregator | None = None
@@ -200,22 +201,6 @@ def _start_aggregator() -> SoftwareAggregator:
     return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND") or default_bind(), port=0).start()
 
 
-def _parse_published(text: str) -> tuple[tuple[str, int], int, str]:
-    """Rank 0's "HOST:PORT KEY NETWORK": the embedded aggregator's address, the job's result key and
-    rank 0's network_identity()."""
-    address, _, rest = text.partition(" ")
-    key, _, network = rest.partition(" ")
-    if not key.isdigit() or not 0 < int(key) <= 0xFFFFFFFF:
-        raise RuntimeError(f"rank 0 published {text!r}, not HOST:PORT KEY (a non-zero 32-bit key)")
-    return parse_host_port(address, "published aggregator address"), int(key), network
-
-
-def _published(text: str, what: str) -> str:
-    if text.startswith(FAILED_MARK):
-        raise RuntimeError(f"rank 0 could not {what}: {text[1:]}")
-    return text
-
-
 def _embedded_layout(lanes: int) -> tuple[int, int]:
     """(K, slots per lane) from SWITCHAGG_K and SWITCHAGG_SLOTS, the window split over the lanes."""
     k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
@@ -229,93 +214,140 @@ def _embedded_layout(lanes: int) -> tuple[int, int]:
     return k, per_lane
 
 
-def _publish_aggregator(
-    rank: int, exchange: Exchange
-) -> tuple[SoftwareAggregator | None, tuple[str, int], int, str]:
-    """Rank 0 starts the aggregator and shares its address, the job's key and its network; every
-    rank returns (the aggregator on rank 0 else None, address, key, network)."""
-    if rank != 0:
-        published = _published(exchange.share(None), "start the switchagg aggregator")
-        return (None, *_parse_published(published))
-    try:
-        from switchagg.aggregator import new_key
+def shards_wanted(world_size: int) -> int:
+    """SWITCHAGG_SHARDS in embedded mode: the aggregators the group's ranks host, each summing its
+    stripe of every tensor (default 1, rank 0's; 0 also means 1; at most one per rank)."""
+    return max(1, _env_int("SWITCHAGG_SHARDS", 1, 0, world_size))
 
-        aggregator = _start_aggregator()
-        key = new_key()  # the job's result key: only the group's ranks and the aggregator know it
-    except Exception as e:
-        exchange.share(f"{FAILED_MARK}{e!r}")  # so that the other ranks fail too instead of waiting
+
+def shard_hosts(world_size: int, shards: int) -> list[int]:
+    """The rank hosting each shard: evenly spaced from rank 0, so that under torchrun, which numbers
+    each node's ranks consecutively, the shards fall on different nodes as long as there are as many."""
+    return [s * world_size // shards for s in range(shards)]
+
+
+def _embedded_key(key: int, lane: int, shard: int) -> int:
+    """The result key of lane ``lane``'s job on shard ``shard``'s aggregator (lane 0 shard 0: the group's)."""
+    from switchagg.striping import shard_key
+
+    return shard_key(shard_key(key, lane), shard)
+
+
+def _parse_host_entry(text: str, rank: int) -> tuple[tuple[str, int], int, str]:
+    """A hosting rank's "HOST:PORT KEY NETWORK": its aggregator's address, the group's result key
+    (rank 0's entry; the others write 0) and its network_identity()."""
+    address, _, rest = text.partition(" ")
+    key, _, network = rest.partition(" ")
+    if not key.isdigit() or int(key) > 0xFFFFFFFF or (rank == 0 and int(key) == 0):
+        raise RuntimeError(f"rank {rank} published {text!r}, not HOST:PORT KEY NETWORK")
+    return parse_host_port(address, f"rank {rank}'s aggregator address"), int(key), network
+
+
+def _gathered(exchange: Exchange, mine: str, what: str) -> list[str]:
+    """Gathers every rank's string; if any rank failed (FAILED_MARK), every rank raises with why."""
+    values = exchange.gather(mine)
+    failed = [v[1:] for v in values if v.startswith(FAILED_MARK)]
+    if failed:
+        raise RuntimeError(f"switchagg ranks could not {what}: {'; '.join(failed)}")
+    return values
+
+
+def _host_aggregators(
+    rank: int, world_size: int, exchange: Exchange, hosts: list[int]
+) -> tuple[SoftwareAggregator | None, list[tuple[str, int]], int, list[str]]:
+    """Each hosting rank starts its shard's aggregator (rank 0 also draws the group's result key);
+    every rank returns (its own aggregator or None, the shards' addresses, the key, the hosts'
+    network_identity()s)."""
+    aggregator, mine = None, "-"
+    if rank in hosts:
+        try:
+            from switchagg.aggregator import new_key
+
+            aggregator = _start_aggregator()
+            key = new_key() if rank == 0 else 0  # only the group's ranks and aggregators know it
+            host, port = aggregator.address
+            mine = f"{host}:{port} {key} {network_identity()}"
+        except Exception as e:
+            mine = f"{FAILED_MARK}rank {rank} could not start its switchagg aggregator: {e!r}"
+    try:
+        values = _gathered(exchange, mine, "start their aggregators")
+        entries = [_parse_host_entry(values[h], h) for h in hosts]
+    except BaseException:
+        if aggregator is not None:
+            aggregator.stop()
         raise
-    host, port = aggregator.address
-    return (aggregator, *_parse_published(exchange.share(f"{host}:{port} {key} {network_identity()}")))
+    return aggregator, [e[0] for e in entries], entries[0][1], [e[2] for e in entries]
 
 
 def _install_lanes(
     aggregator: SoftwareAggregator,
+    shard: int,
     addresses: list[str],
     world_size: int,
     k: int,
     per_lane: int,
     key: int,
-    lanes: int,
 ) -> None:
-    """One job per lane on rank 0's aggregator, each rank pinned to its socket of that lane."""
-    from switchagg.striping import shard_key
-
-    per_rank = [a.split(",") for a in addresses]
+    """One job per lane on this rank's aggregator (shard ``shard``), each rank pinned to its socket
+    of that lane and shard. ``addresses``: per rank, "A+B+...,A+B+..." (lanes, then shards)."""
     generation = random.randint(1, 0xFFFF)
-    for lane in range(lanes):
+    per_rank = [[lane.split("+") for lane in a.split(",")] for a in addresses]
+    for lane in range(len(per_rank[0])):
         pinned = [
-            parse_host_port(a[lane], f"rank {r}'s address (lane {lane})") for r, a in enumerate(per_rank)
+            parse_host_port(a[lane][shard], f"rank {r}'s address (lane {lane}, shard {shard})")
+            for r, a in enumerate(per_rank)
         ]
         aggregator.add_job(
             EMBEDDED_JOB + lane, world_size, lane * per_lane, per_lane, k, generation, pinned,
-            key=shard_key(key, lane),
+            key=_embedded_key(key, lane, shard),
         )  # fmt: skip
 
 
 def _open_embedded(
     rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str, lanes: int
 ) -> DataPlane:
-    """Rank 0 runs the aggregator; the job is installed only once every rank's address is known, so
-    that the aggregator accepts each rank from its own socket alone (docs/PROTOCOL.md, Security).
+    """The group's ranks host the aggregators (SWITCHAGG_SHARDS: rank 0's alone by default); the
+    jobs are installed only once every rank's address is known, so that each aggregator accepts
+    each rank from its own socket alone (docs/PROTOCOL.md, Security).
 
-    With several lanes every lane is a job of its own on the aggregator (job EMBEDDED_JOB + lane, a
+    With several lanes every lane is a job of its own on each aggregator (job EMBEDDED_JOB + lane, a
     slot range of its own out of the window split over the lanes, a result key derived from the
-    group's), and every rank opens one socket per lane."""
+    group's). With several shards every tensor is striped over the aggregators (switchagg.striping)
+    and every rank opens one socket per lane and shard."""
     from switchagg.session import Session
-    from switchagg.striping import shard_key
+    from switchagg.striping import Shard
 
     k, per_lane = _embedded_layout(lanes)
+    hosts = shard_hosts(world_size, shards_wanted(world_size))
     aggregator = None
     sessions: list[Session] = []
     try:
-        aggregator, address, key, network = _publish_aggregator(rank, exchange)
+        aggregator, addresses, key, networks = _host_aggregators(rank, world_size, exchange, hosts)
         try:
-            check_reachable(address[0], network, network_identity())
+            for address, network in zip(addresses, networks, strict=True):
+                check_reachable(address[0], network, network_identity())
             for lane in range(lanes):
+                shards = [
+                    Shard(a, lane * per_lane, per_lane, _embedded_key(key, lane, s))
+                    for s, a in enumerate(addresses)
+                ]
                 session = Session(
-                    EMBEDDED_JOB + lane, rank, world_size, address, slot_base=lane * per_lane,
-                    slot_count=per_lane, k=k, timeout=timeout, bind=_worker_bind(address[0]),
-                    key=shard_key(key, lane),
+                    EMBEDDED_JOB + lane, rank, world_size, shards=shards, k=k, timeout=timeout,
+                    bind=_worker_bind(addresses[0][0]),
                 )  # fmt: skip
                 sessions.append(session)
                 session.job_name = default_job_name(group_tag)  # tells the groups apart in the metrics
-            mine = ",".join("{}:{}".format(*s.local_address) for s in sessions)
+            mine = ",".join("+".join("{}:{}".format(*a) for a in s.local_addresses) for s in sessions)
         except Exception as e:
             mine = f"{FAILED_MARK}rank {rank}: {type(e).__name__}: {e}"
-        addresses = exchange.gather(mine)
-        failed = [a[1:] for a in addresses if a.startswith(FAILED_MARK)]
-        if failed:
-            raise RuntimeError(f"switchagg ranks could not open their data plane: {'; '.join(failed)}")
+        gathered = _gathered(exchange, mine, "open their data plane")
+        installed = "installed"
         if aggregator is not None:
             try:
-                _install_lanes(aggregator, addresses, world_size, k, per_lane, key, lanes)
+                _install_lanes(aggregator, hosts.index(rank), gathered, world_size, k, per_lane, key)
             except Exception as e:
-                exchange.share(f"{FAILED_MARK}{e!r}")
-                raise
-            exchange.share("installed")
-        else:
-            _published(exchange.share(None), "install the switchagg job")
+                installed = f"{FAILED_MARK}rank {rank} could not install the switchagg job: {e!r}"
+        _gathered(exchange, installed, "install the switchagg job")
     except BaseException:
         for session in sessions:
             session.close()

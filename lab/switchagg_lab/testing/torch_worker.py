@@ -827,8 +827,30 @@ def scenario_lanes(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def scenario_shards(rank: int, n: int, out_dir: Path) -> None:
+    """SWITCHAGG_SHARDS aggregators hosted by the ranks: concurrent calls of mixed sizes and dtypes,
+    and DDP (backend and hook) against gloo, striped over them."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    plane = pg.data_plane
+    result: dict[str, Any] = {
+        "hosts": plane.aggregator is not None,
+        "shards": [["{}:{}".format(*sh.aggregator) for sh in s.shards] for s in plane.lanes.sessions],
+    }
+    result.update(check_lane_calls(pg, rank, n, rounds=2))
+    result.update(check_ddp(pg, rank, n))
+    dist.barrier()  # every rank's calls are done: the counters of this rank's aggregator are final
+    if plane.aggregator is not None:
+        counters = plane.aggregator.counters()
+        result["aggregated"] = sum(j["aggregated"] for j in counters["jobs"].values())
+        result["dropped"] = sum(counters["drops"].values())
+    dist.barrier()  # no aggregator stops before the others read theirs
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS = {
     "lanes": scenario_lanes,
+    "shards": scenario_shards,
     "mismatched_calls": scenario_mismatched_calls,
     "grad_scaler": scenario_grad_scaler,
     "stress": scenario_stress,

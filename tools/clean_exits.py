@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 ABORT = "terminate called"
 
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=4, help="ranks per run")
     p.add_argument("--load", type=int, default=0, help="busy processes running meanwhile")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for one run")
+    p.add_argument("--keep", type=Path, help="write each failed run's whole output to DIR/run-N.log")
     p.add_argument("script", nargs="+", help="the script and its arguments (after --)")
     args = p.parse_args(argv)
     burners = [
@@ -71,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             aborts += ABORT in out
             failed += 1
             print(f"run {i}: exit {code}\n{out[-1500:]}", file=sys.stderr, flush=True)
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                (args.keep / f"run-{i}.log").write_text(out)
     finally:
         for b in burners:
             b.terminate()

@@ -32,6 +32,8 @@
 
 #define BATCH 64
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
+#define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
+#define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };
 
@@ -46,6 +48,11 @@ typedef struct {
     int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
+    /* Its last round was fast-retransmitted: a second RESULT of that round (the stored result the
+     * aggregator unicasts to a resend that reached a complete slot) shows the resend was spurious. */
+    int watch;
+    int watch_set;
+    uint32_t watch_offset;
 } slot_t;
 
 static void free_bufs(struct sa_worker *w) {
@@ -132,6 +139,7 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     w->rto_max_ns = (uint64_t)(c->rto_max * 1e9);
     w->timeout_ns = (uint64_t)(c->timeout * 1e9);
     w->srtt_ns = w->rttvar_ns = 0;
+    w->reo_steps = w->reo_clean = 0;
     w->configured = 1;
     w->broken = 0;
     return 0;
@@ -267,6 +275,9 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
+    s->watch = s->fast_done;
+    s->watch_set = w->sets[i];
+    s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_ABORT) {
         s->phase = SLOT_DONE;
@@ -349,15 +360,23 @@ static void note_passed(run_t *r, size_t i) {
 /* Outstanding packets passed FAST_RETRANSMIT times are taken for lost: resend them now, with the
  * same timeout (as TCP, a fast retransmit does not back off). Appends them to `out`. */
 static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout) {
-    /* As RACK (RFC 8985): a passed packet is lost only once it is older than a round trip and a
-     * quarter; results of a CPU-starved aggregator come back a few places out of order. */
+    /* As RACK (RFC 8985): a passed packet is lost only once it is older than a round trip plus a
+     * reordering window. Results of a CPU-starved or multi-threaded aggregator (one thread runs
+     * ahead of another) come back out of order by as much as round trips vary, so the window is
+     * the larger of a quarter round trip and 2 deviations of the round trip (RFC 6298's rttvar):
+     * where round trips are steady it stays RACK's, where they vary it follows. */
     uint64_t srtt = r->w->srtt_ns ? r->w->srtt_ns : r->w->rto_ns;
-    uint64_t reorder_age = srtt + srtt / 4;
+    uint64_t window = 2 * r->w->rttvar_ns > srtt / 4 ? 2 * r->w->rttvar_ns : srtt / 4;
+    uint64_t reorder_age = srtt + window + r->w->reo_steps * (srtt / 4);
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
         if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->passed < FAST_RETRANSMIT) continue;
         if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
         s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
+        if (++r->w->reo_clean >= REO_DECAY && r->w->reo_steps) { /* RFC 8985: the window shrinks back */
+            r->w->reo_steps /= 2;
+            r->w->reo_clean = 0;
+        }
         s->retried = 1;
         s->deadline = now + s->rto;
         out[nout++] = j;
@@ -365,6 +384,28 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
         r->w->stats.retransmits++;
     }
     return nout;
+}
+
+/* A datagram that answered nothing: if it is a second RESULT of a round this worker fast-
+ * retransmitted (same slot, set, offset and call; the job's key), the first answered the original
+ * packet, which was late, not lost: a spurious fast retransmit, as a DSACK tells TCP. RACK's
+ * reordering window widens by a quarter round trip (RFC 8985, 6.2 step 4), up to REO_MAX_STEPS. */
+static void note_duplicate(run_t *r, const uint8_t *pkt, size_t len) {
+    struct sa_worker *w = r->w;
+    const struct sa_header *h = (const struct sa_header *)pkt;
+    if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
+        ntohs(h->rank) != w->rank || ntohl(h->key) != w->key || ntohl(h->call) != r->call)
+        return;
+    uint16_t pool = ntohs(h->pool);
+    long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
+    if (i < 0 || (size_t)i >= r->active) return;
+    slot_t *s = &r->slots[i];
+    if (!s->watch || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != s->watch_set || ntohl(h->offset) != s->watch_offset)
+        return;
+    s->watch = 0; /* once per round */
+    w->stats.spurious++;
+    w->reo_clean = 0;
+    if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
 }
 
 /* Is this datagram the answer to slot's outstanding request? Returns the slot index, or -1 (not an
@@ -465,6 +506,7 @@ static int run_call(run_t *r, int abort) {
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
                     w->stats.stale++;
+                    note_duplicate(r, pkt, len);
                     continue;
                 }
                 if (poisoned) { /* the call failed on every rank: keep what says why */

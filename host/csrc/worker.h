@@ -9,6 +9,7 @@
 
 struct sa_worker_stats {
     unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
+    unsigned long long spurious; /* fast retransmits found unneeded: their round was answered twice */
 };
 
 struct sa_worker {
@@ -35,6 +36,8 @@ struct sa_worker {
     /* timers */
     uint64_t rto_ns, rto_max_ns, timeout_ns;
     uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across calls */
+    unsigned reo_steps;          /* RACK's reordering window widened by this many quarter round trips */
+    unsigned reo_clean;          /* fast retransmits since the last one found spurious */
     struct sa_worker_stats stats;
 };
 

@@ -272,6 +272,13 @@ def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
                 value,
             )
         c.counter(
+            "switchagg_worker_spurious_retransmits",
+            "Fast retransmits found unneeded: their round was answered twice (the packet was late, not lost)",
+            WORKER_LABELS,
+            labels,
+            st.get("spurious_retransmits", 0),
+        )
+        c.counter(
             "switchagg_worker_packets_sent",
             "DATA packets sent, resends included",
             WORKER_LABELS,

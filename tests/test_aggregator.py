@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from switchagg.protocol import (
     MSG_RESULT,
     Header,
 )
+from switchagg_lab.testing.kit import wait_rx, wait_until
 
 WAIT_S = 10.0  # generous; only guards against hangs
 
@@ -71,14 +71,6 @@ def data(
     return Header(
         job=job, rank=rank, slot=slot, shadow=shadow, exp=exp, values=[int(v) for v in values]
     ).pack()
-
-
-def wait_rx(a: SoftwareAggregator, rx: int) -> dict:
-    deadline = time.monotonic() + WAIT_S
-    while (c := a.counters())["rx"] < rx:
-        assert time.monotonic() < deadline, f"aggregator saw {c['rx']} of {rx} datagrams"
-        time.sleep(0.001)
-    return c
 
 
 def nothing_waiting(s: socket.socket) -> bool:
@@ -330,10 +322,7 @@ def test_stop_ends_run_and_run_timeout_returns(threads: int) -> None:
     a = _core.Aggregator(threads=threads)
     t = threading.Thread(target=a.run)
     t.start()
-    deadline = time.monotonic() + WAIT_S
-    while not a.running and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert a.running
+    wait_until(lambda: a.running, WAIT_S, "the aggregator to serve", 0.001)
     with pytest.raises(RuntimeError, match="already serving"):
         a.run(timeout=0.1)
     a.stop()

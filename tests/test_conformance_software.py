@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import select
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +27,7 @@ from switchagg.conformance import (
     two_level_vector_dir,
 )
 from switchagg.protocol import P4_K, P4_NUM_SLOTS
+from switchagg_lab.testing.kit import wait_rx
 
 VECTORS = load_vectors(default_vector_dir())
 TWO_LEVEL = load_vectors(two_level_vector_dir())  # the leaf role; the endpoint `upstream` plays the spine
@@ -48,14 +48,6 @@ def _install(agg: SoftwareAggregator, job: JobSpec, k: int, socks: list[socket.s
         job.id, job.n, job.slot_base, job.slot_count, k, job.generation, addrs,
         upstream=upstream, leaf_index=job.leaf_index, key=job.key,
     )  # fmt: skip
-
-
-def _wait_rx(agg: SoftwareAggregator, rx: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while agg.counters()["rx"] < rx:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the aggregator did not receive datagram {rx} within {WAIT_S} s")
-        time.sleep(0.001)
 
 
 def _recv(sock: socket.socket, timeout: float) -> bytes | None:
@@ -88,7 +80,7 @@ def run_vector(vector: Vector, agg: SoftwareAggregator) -> None:
             assert isinstance(step, Send)
             socks[step.endpoint].sendto(step.payload, agg.address)
             sent += 1
-            _wait_rx(agg, sent)
+            wait_rx(agg, sent)
             expected = step.expected_by_endpoint()
             for endpoint, payloads in expected.items():
                 for n, want in enumerate(payloads):

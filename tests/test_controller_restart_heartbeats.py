@@ -15,7 +15,7 @@ import pytest
 
 from switchagg import Session, jobclient
 from switchagg_lab.testing.controller import SECRET, Controller
-from switchagg_lab.testing.kit import free_port
+from switchagg_lab.testing.kit import free_port, wait_until
 
 REAP_TIMEOUT = 2.0  # 20 heartbeats: a loaded machine may stall a beating thread a while
 N, LENGTH = 2, 40000  # several chunks per slot at the default K
@@ -97,10 +97,8 @@ def test_a_definitive_answer_stops_the_heartbeats(tmp_path: Path) -> None:
         a = jobclient.join(c.address, SECRET, "gone", 1, "127.0.0.1", 40011, timeout=10)
         with jobclient.Heartbeat(c.address, SECRET, a, interval=0.05) as hb:
             c.ctl("teardown", "gone", *c.client_args())
-            deadline = time.monotonic() + 30
-            while hb.error is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert hb.error is not None and "tore it down" in str(hb.error)
+            wait_until(lambda: hb.error is not None, 30, "the heartbeat's error", 0.05)
+            assert "tore it down" in str(hb.error)
             hb._thread.join(5)
             assert not hb._thread.is_alive()  # no more heartbeats for a job that is gone
     finally:
@@ -111,10 +109,8 @@ def test_heartbeats_retry_while_the_service_is_away(tmp_path: Path) -> None:
     """No controller at all: every heartbeat fails UNAVAILABLE, none is final."""
     a = jobclient.Assignment("software", "127.0.0.1", 48879, 1, 0, 1, 0, 4, 64, 1)
     with jobclient.Heartbeat(f"unix:{tmp_path}/nobody.sock", SECRET, a, interval=0.2) as hb:
-        deadline = time.monotonic() + 30
-        while hb.failures < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert hb.failures >= 4 and hb.error is None
+        wait_until(lambda: hb.failures >= 4, 30, "4 failed heartbeats", 0.05)
+        assert hb.error is None
         assert hb.retrying is not None and hb.retrying.code is not None
         assert jobclient.is_transient(hb.retrying)
         assert hb._thread.is_alive()

@@ -27,7 +27,6 @@ import select
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from switchagg.protocol import (
     VERSION,
     Header,
 )
+from switchagg_lab.testing.kit import wait_rx
 from switchagg_lab.testing.reliability import Reliability
 
 T = TypeVar("T")
@@ -282,11 +282,7 @@ class AggWorld:
         return predicted
 
     def wait_rx(self, rx: int) -> dict[str, Any]:
-        deadline = time.monotonic() + WAIT_S
-        while (c := self.agg.counters())["rx"] < rx:
-            assert time.monotonic() < deadline, f"the aggregator read {c['rx']} of {rx} datagrams"
-            time.sleep(0.0005)
-        return c
+        return wait_rx(self.agg, rx, WAIT_S)
 
     def example(self, d: Draw, sizes: tuple[int, int]) -> None:
         """One round of the victim job with a fuzzed stream in the middle; asserts the model."""

@@ -50,6 +50,19 @@ def wait_until(
         time.sleep(interval)
 
 
+def wait_rx(aggregator: Any, rx: int, timeout: float = 30.0) -> dict[str, Any]:
+    """Polls a software aggregator's counters until it has read ``rx`` datagrams (what a test sent
+    it over loopback: all of them arrive, later or sooner); returns those counters."""
+    counters: dict[str, Any] = aggregator.counters()
+    deadline = time.monotonic() + timeout
+    while counters["rx"] < rx:
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"the aggregator read {counters['rx']} of {rx} datagrams in {timeout:g} s")
+        time.sleep(0.0005)
+        counters = aggregator.counters()
+    return counters
+
+
 def wait_all(
     procs: Sequence[subprocess.Popen[str]], timeout: float = 300.0
 ) -> list[subprocess.CompletedProcess[str]]:

@@ -124,6 +124,19 @@ def test_exit_waits_for_the_gloo_threads(tmp_path: Path) -> None:
     assert handler == "exit handler ran"
 
 
+def test_leaving_under_gloo_frees_exits_cleanly(tmp_path: Path) -> None:
+    """The race that aborted ranks at exit (switchagg_lab.testing.exit_race: without settle, about
+    one run in three aborts with "terminate called without an active exception"): 10 runs of 2
+    ranks under torchrun, every rank exits 0 and nothing aborts. Were settle gone, 10 clean runs
+    in a row would be a 2% chance."""
+    for run in range(10):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        cmd += ["-m", "switchagg_lab.testing.exit_race"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0 and "terminate called" not in out, f"run {run}:\n{out[-3000:]}"
+
+
 def test_settle_gives_up_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     from switchagg.torch import leaving
 

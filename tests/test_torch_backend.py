@@ -237,9 +237,6 @@ def test_job_service_needs_a_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 class RefusingExchange:
-    def share(self, value: str | None) -> str:
-        raise AssertionError("the environment must be checked before anything is shared")
-
     def gather(self, value: str) -> list[str]:
         raise AssertionError("the environment must be checked before anything is gathered")
 

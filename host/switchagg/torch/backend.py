@@ -246,13 +246,6 @@ class StoreExchange:
     def _key(self, who: str) -> str:
         return f"{EXCHANGE_PREFIX}{self.round}/{who}"
 
-    def share(self, value: str | None) -> str:
-        self.round += 1
-        if value is not None:
-            self.store.set(self._key("0"), value)
-            return value
-        return self.store.get(self._key("0")).decode()  # blocks up to the store's timeout
-
     def gather(self, value: str) -> list[str]:
         self.round += 1
         self.store.set(self._key(str(self.rank)), value)

@@ -25,10 +25,6 @@ class Exchange(Protocol):
     """How the ranks of a group swap small strings while the data plane opens: the backend uses
     the c10d store, the hook the process group's own collectives. Each call is collective."""
 
-    def share(self, value: str | None) -> str:
-        """Rank 0 passes the string to publish and gets it back; the others pass None and get it."""
-        ...
-
     def gather(self, value: str) -> list[str]:
         """Every rank passes its string; every rank gets the list in rank order."""
         ...

@@ -29,13 +29,6 @@ class GroupExchange:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def share(self, value: str | None) -> str:
-        box: list[str | None] = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if box[0] is None:
-            raise RuntimeError("rank 0 published nothing")
-        return box[0]
-
     def gather(self, value: str) -> list[str]:
         values: list[str] = [""] * dist.get_world_size(self.group)
         dist.all_gather_object(values, value, group=self.group)

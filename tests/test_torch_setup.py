@@ -125,10 +125,9 @@ def test_exit_waits_for_the_gloo_threads(tmp_path: Path) -> None:
 
 
 def test_leaving_under_gloo_frees_exits_cleanly(tmp_path: Path) -> None:
-    """The race that aborted ranks at exit (switchagg_lab.testing.exit_race: without settle, about
-    one run in three aborts with "terminate called without an active exception"): 10 runs of 2
-    ranks under torchrun, every rank exits 0 and nothing aborts. Were settle gone, 10 clean runs
-    in a row would be a 2% chance."""
+    """The race that aborted ranks at exit (switchagg_lab.testing.exit_race; without settle it
+    aborts some runs with "terminate called without an active exception", docs/TORCH.md has the
+    rates): 10 runs of 2 ranks under torchrun, every rank exits 0 and nothing aborts."""
     for run in range(10):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         cmd += ["-m", "switchagg_lab.testing.exit_race"]

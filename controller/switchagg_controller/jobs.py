@@ -282,12 +282,7 @@ class JobManager:
         if len(ips) != shards or ips[0] != ip:
             raise JobError(bad, f"shard_ips names one address per shard ({shards}), the first the join's ip")
         for other in ips:
-            try:
-                addr = ipaddress.IPv4Address(other)
-            except ValueError:
-                raise JobError(bad, f"shard address {other!r} is not an IPv4 address") from None
-            if addr.is_unspecified or addr.is_multicast or other == "255.255.255.255":
-                raise JobError(bad, f"{other} cannot receive results: join with the worker's own address")
+            _check_result_address(other, "shard address ")
 
     def _drop(self, pending: _Pending, member: _Member) -> None:
         pending.members.remove(member)
@@ -303,12 +298,7 @@ class JobManager:
             raise JobError(bad, "the job name must be 1..200 characters")
         if not 1 <= world_size <= protocol.MAX_WORKERS:
             raise JobError(bad, f"world size must be 1..{protocol.MAX_WORKERS}, not {world_size}")
-        try:
-            addr = ipaddress.IPv4Address(ip)
-        except ValueError:
-            raise JobError(bad, f"{ip!r} is not an IPv4 address") from None
-        if addr.is_unspecified or addr.is_multicast or ip == "255.255.255.255":
-            raise JobError(bad, f"{ip} cannot receive results: join with the worker's own address")
+        _check_result_address(ip)
         if not 1 <= udp_port <= 65535:
             raise JobError(bad, f"UDP port must be 1..65535, not {udp_port}")
         if rank is not None and not 0 <= rank < world_size:
@@ -610,3 +600,14 @@ class JobManager:
             for p in self._pending.values()
         ]
         return views
+
+
+def _check_result_address(ip: str, what: str = "") -> None:
+    """A worker's address as a join names it: an IPv4 address that can receive unicast results."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    try:
+        addr = ipaddress.IPv4Address(ip)
+    except ValueError:
+        raise JobError(bad, f"{what}{ip!r} is not an IPv4 address") from None
+    if addr.is_unspecified or addr.is_multicast or ip == "255.255.255.255":
+        raise JobError(bad, f"{ip} cannot receive results: join with the worker's own address")

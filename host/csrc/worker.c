@@ -48,10 +48,10 @@ typedef struct {
     int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
-    /* Its last round was fast-retransmitted: a second RESULT of that round (the stored result the
-     * aggregator unicasts to a resend that reached a complete slot) shows the resend was spurious. */
+    /* Its last round (on the set before sets[slot]) was fast-retransmitted: a second RESULT of that
+     * round (the stored result the aggregator unicasts to a resend that reached a complete slot)
+     * shows the resend was spurious. */
     int watch;
-    int watch_set;
     uint32_t watch_offset;
 } slot_t;
 
@@ -276,7 +276,6 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
     s->watch = s->fast_done;
-    s->watch_set = w->sets[i];
     s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_ABORT) {
@@ -386,22 +385,10 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     return nout;
 }
 
-/* A datagram that answered nothing: if it is a second RESULT of a round this worker fast-
- * retransmitted (same slot, set, offset and call; the job's key), the first answered the original
+/* A second RESULT of a round this worker fast-retransmitted: the first answered the original
  * packet, which was late, not lost: a spurious fast retransmit, as a DSACK tells TCP. RACK's
  * reordering window widens by a quarter round trip (RFC 8985, 6.2 step 4), up to REO_MAX_STEPS. */
-static void note_duplicate(run_t *r, const uint8_t *pkt, size_t len) {
-    struct sa_worker *w = r->w;
-    const struct sa_header *h = (const struct sa_header *)pkt;
-    if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
-        ntohs(h->rank) != w->rank || ntohl(h->key) != w->key || ntohl(h->call) != r->call)
-        return;
-    uint16_t pool = ntohs(h->pool);
-    long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
-    if (i < 0 || (size_t)i >= r->active) return;
-    slot_t *s = &r->slots[i];
-    if (!s->watch || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != s->watch_set || ntohl(h->offset) != s->watch_offset)
-        return;
+static void note_spurious(struct sa_worker *w, slot_t *s) {
     s->watch = 0; /* once per round */
     w->stats.spurious++;
     w->reo_clean = 0;
@@ -424,8 +411,14 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     uint16_t pool = ntohs(h->pool);
     long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
     if (i < 0 || (size_t)i >= r->active) return -1;
-    const slot_t *s = &r->slots[i];
-    if (s->phase == SLOT_DONE || s->queued || ((pool & SA_POOL_SET_BIT) ? 1 : 0) != w->sets[i]) return -1;
+    slot_t *s = &r->slots[i];
+    int set = (pool & SA_POOL_SET_BIT) ? 1 : 0;
+    /* the round before, on the other set: never the answer to the outstanding request */
+    if (s->watch && set != w->sets[i] && ntohl(h->offset) == s->watch_offset && ntohl(h->call) == r->call) {
+        note_spurious(w, s);
+        return -1;
+    }
+    if (s->phase == SLOT_DONE || s->queued || set != w->sets[i]) return -1;
     *poisoned = (h->flags & SA_POISON_FLAGS) != 0;
     if (*poisoned) return i;
     if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * (size_t)w->k)) return -1;
@@ -506,7 +499,6 @@ static int run_call(run_t *r, int abort) {
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
                     w->stats.stale++;
-                    note_duplicate(r, pkt, len);
                     continue;
                 }
                 if (poisoned) { /* the call failed on every rank: keep what says why */

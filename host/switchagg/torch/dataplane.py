@@ -249,7 +249,7 @@ def _gathered(exchange: Exchange, mine: str, what: str) -> list[str]:
 
 
 def _host_aggregators(
-    rank: int, world_size: int, exchange: Exchange, hosts: list[int]
+    rank: int, exchange: Exchange, hosts: list[int]
 ) -> tuple[SoftwareAggregator | None, list[tuple[str, int]], int, list[str]]:
     """Each hosting rank starts its shard's aggregator (rank 0 also draws the group's result key);
     every rank returns (its own aggregator or None, the shards' addresses, the key, the hosts'
@@ -318,10 +318,11 @@ def _open_embedded(
     aggregator = None
     sessions: list[Session] = []
     try:
-        aggregator, addresses, key, networks = _host_aggregators(rank, world_size, exchange, hosts)
+        aggregator, addresses, key, networks = _host_aggregators(rank, exchange, hosts)
         try:
+            mine_network = network_identity()
             for address, network in zip(addresses, networks, strict=True):
-                check_reachable(address[0], network, network_identity())
+                check_reachable(address[0], network, mine_network)
             for lane in range(lanes):
                 shards = [
                     Shard(a, lane * per_lane, per_lane, _embedded_key(key, lane, s))

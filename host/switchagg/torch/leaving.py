@@ -38,9 +38,9 @@ def gloo_threads() -> dict[int, str]:
                 stat = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        if name == GLOO_THREAD:
-            states[int(tid)] = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+        end = stat.rfind(")")  # the name may hold anything; the state follows its last ")"
+        if stat[stat.find("(") + 1 : end] == GLOO_THREAD:
+            states[int(tid)] = stat[end + 2 : end + 3]
     return states
 
 
@@ -60,13 +60,7 @@ def settle(bound: float = BOUND_S) -> bool:
     return False
 
 
-_installed = False
-
-
 def install() -> None:
-    """Run ``settle`` at exit (once). Registered when switchagg.torch is imported, before any group
-    exists: atexit runs handlers last-registered first, so the groups close before it runs."""
-    global _installed
-    if not _installed:
-        atexit.register(settle)
-        _installed = True
+    """Run ``settle`` at exit. switchagg.torch calls it once, on import, before any group exists:
+    atexit runs handlers last-registered first, so the groups close before it runs."""
+    atexit.register(settle)

@@ -29,6 +29,7 @@ install-dev: $(VPY)
 	$(VPY) -c 'import importlib.metadata as m, sys; v = m.version("torch").split("+")[0]; sys.exit(tuple(map(int, v.split(".")[:2])) < (2, 4))' 2>/dev/null \
 	  || $(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PIP) -e ".[test,controller,torch,metrics]"
+	$(VPY) -m switchagg.torch  # the c10d backend's C++ half, compiled once for this torch (docs/TORCH.md)
 
 demo: install
 	$(VPY) -m switchagg.demo --workers 4 --size 4000000

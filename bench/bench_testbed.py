@@ -65,7 +65,9 @@ def worker(args: argparse.Namespace) -> int:
     err = float((x - want).abs().max())
     report = {"rank": rank, "times": times, "max_error": err, "cpu_busy": busy / max(1, total)}
     if args.backend == "switchagg":  # retransmissions spend capped link capacity: count them
-        stats = dist.group.WORLD.data_plane.stats()  # type: ignore[union-attr]
+        from switchagg.torch import backend_of
+
+        stats = backend_of().data_plane.stats()
         report["retransmits"], report["sent"] = stats["retransmits"], stats["sent"]
         report["fast_retransmits"] = stats["fast_retransmits"]
     print(json.dumps(report), flush=True)

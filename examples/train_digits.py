@@ -68,9 +68,7 @@ def data_plane(backend: str, state: satorch.SwitchaggHookState | None) -> str:
     if state is not None:
         plane = state.plane
     else:
-        group = dist.group.WORLD
-        assert isinstance(group, satorch.ProcessGroupSwitchagg)
-        plane = group.data_plane
+        plane = satorch.backend_of().data_plane
     if plane is None:
         return "closed"
     session = plane.session

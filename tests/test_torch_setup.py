@@ -87,15 +87,15 @@ def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> Non
         "dist.init_process_group('switchagg')\n"
         "t = torch.ones(10)\n"
         "dist.all_reduce(t)\n"
-        "w = dist.group.WORLD\n"
-        "print(type(w).__name__, w.stats()['network'], t.sum().item(), flush=True)\n"
+        "from switchagg.torch import backend_of\n"  # imported already, by the entry point
+        "print(dist.get_backend(), backend_of().stats()['network'], t.sum().item(), flush=True)\n"
         "dist.destroy_process_group()\n"
     )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     env.pop("SWITCHAGG_JOB_SERVICE", None)
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["ProcessGroupSwitchagg", "{'allreduce':", "1}", "10.0"], done.stdout
+    assert done.stdout.split() == ["switchagg", "{'allreduce':", "1}", "10.0"], done.stdout
 
 
 def test_exit_waits_for_the_gloo_threads(tmp_path: Path) -> None:

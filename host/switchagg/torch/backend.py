@@ -1,9 +1,13 @@
 """The "switchagg" c10d backend: SUM and AVG allreduces of float32/int32/bfloat16/float16 tensors, on
-the CPU or CUDA, in the network; everything else on an inner gloo group built on the same store."""
+the CPU or CUDA, in the network; everything else on an inner gloo group built on the same store.
+
+c10d sees a C++ Backend (native.py); this module is its Python side (Network) and its registration.
+"""
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from switchagg.torch import native
 from switchagg.torch.calls import DELEGATED as ON_GLOO
 from switchagg.torch.calls import NETWORK, CallLog, first_tensor
 from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
 from switchagg.torch.liveness import PeerWatch
 from switchagg.torch.stager import Stager, chunk_elements
-from switchagg.torch.work import FutureWork, completed_work
 
 BACKEND_NAME = "switchagg"
 EXCHANGE_PREFIX = "switchagg/exchange"
@@ -62,61 +66,23 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "name", op))
 
 
-# Every collective the inner gloo backend has, called on it from Python. They must not fall through
-# to the C++ ProcessGroup: its Python trampoline calls gloo's enqueue with the GIL held, and a gloo
-# worker thread destroying a finished work holds gloo's queue mutex while it waits for the GIL to
-# release the work's tensors; both block forever (seen as a hang in all_gather after an allreduce).
-# gloo's own bindings release the GIL before they enqueue.
-DELEGATED = (
-    "broadcast",
-    "allgather",
-    "_allgather_base",
-    "allgather_coalesced",
-    "gather",
-    "scatter",
-    "reduce",
-    "reduce_scatter",
-    "_reduce_scatter_base",
-    "alltoall",
-    "alltoall_base",
-    "barrier",
-    "monitored_barrier",
-    "send",
-    "recv",
-    "recv_anysource",
-)
-
-
-def _delegate(name: str) -> Any:
-    def collective(self: ProcessGroupSwitchagg, *args: Any, **kwargs: Any) -> Any:
-        self.calls.record(name, ON_GLOO, first_tensor(args), "not an allreduce")
-        return getattr(self._gloo, name)(*args, **kwargs)
-
-    collective.__name__ = name
-    collective.__doc__ = f"{name} on the inner gloo backend."
-    return collective
-
-
-class ProcessGroupSwitchagg(dist.ProcessGroup):
-    """A Python ProcessGroup: SUM/AVG allreduces of float32/int32/bfloat16/float16 go to the network,
-    every other collective explicitly to an inner gloo backend (DELEGATED), so DDP's broadcasts,
-    barriers and allgathers work unchanged. gloo is also registered as the group's CPU backend, for
-    the c10d helpers that ask a group for its backend (sequence numbers, object collectives).
+class Network:
+    """The Python side of one "switchagg" group, held by its C++ c10d backend (native.py,
+    csrc/c10d_backend.cpp): the data plane that sums SUM/AVG allreduces of float32/int32/bfloat16/
+    float16 tensors in the network, the counters of where each collective ran, and the inner gloo
+    backend the C++ side hands every other collective to (DDP's broadcasts, barriers, allgathers).
 
     A network call waits for a slow live peer up to the group's ``timeout`` (init_process_group's);
     a peer that is gone (its heartbeat in the store stopped for SWITCHAGG_TIMEOUT seconds) fails it
-    sooner, naming the rank (liveness.PeerWatch).
+    sooner, naming the rank (liveness.PeerWatch). ``backend_of(group)`` returns it.
     """
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str) -> None:
-        # Only the (rank, size) constructor builds the Python-overridable trampoline; the stub lacks it.
-        super().__init__(rank, size)  # type: ignore[call-arg]
-        # Any: the torch stubs do not declare Backend's collectives.
-        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
-        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_tag: str, gloo: Any
+    ) -> None:
+        self.gloo = gloo  # Any: the torch stubs do not declare Backend's collectives
+        self.rank, self.size, self.timeout = rank, size, timeout
         self._lock = threading.Lock()
-        self.timeout = timeout
         self.calls = CallLog(f"switchagg group {group_tag} (rank {rank} of {size})")
         self._watch = PeerWatch(store, rank, size, session_timeout(), self._peer_gone)
         exchange = StoreExchange(store, rank, size)
@@ -131,16 +97,6 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
         self._stager = Stager(self._plane.lanes.allreduce_async, chunk_elements(self._plane.lanes.k))
         self._watch.start()
         atexit.register(self.close)
-
-    def getBackendName(self) -> str:  # noqa: N802 (the C++ virtual's name)
-        return BACKEND_NAME
-
-    def name(self) -> str:
-        return BACKEND_NAME
-
-    @property
-    def gloo(self) -> Any:
-        return self._gloo
 
     @property
     def data_plane(self) -> DataPlane:
@@ -165,75 +121,66 @@ class ProcessGroupSwitchagg(dist.ProcessGroup):
             self._watch.close()
             plane.close()
 
-    def allreduce(self, tensors: Any, opts: Any = None, timeout: timedelta | None = None) -> dist.Work:
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        if opts is None:
-            opts = dist.AllreduceOptions()
-        elif not isinstance(opts, dist.AllreduceOptions):  # the allreduce(tensors, op) form
-            opts = _options(opts)
-        op = opts.reduceOp
-        return self._allreduce("allreduce", tensors, op, lambda: self._gloo.allreduce(tensors, opts))
+    # Called by the C++ backend, with the GIL, from the thread that issued the collective.
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        if opts is None:
-            opts = dist.AllreduceCoalescedOptions()
-        return self._allreduce(
-            "allreduce_coalesced",
-            tensors,
-            opts.reduceOp,
-            lambda: self._gloo.allreduce_coalesced(tensors, opts),
-        )
+    def delegated(self, op: str, tensor: torch.Tensor | None) -> None:
+        self.calls.record(op, ON_GLOO, tensor, "not an allreduce")
 
-    def _allreduce(
-        self, name: str, tensors: list[torch.Tensor], op: Any, on_gloo: Callable[[], dist.Work]
-    ) -> dist.Work:
-        why = network_reducible(tensors, op)
+    def start(
+        self,
+        op: str,
+        tensors: list[torch.Tensor],
+        reduce_op: int,
+        done: Callable[[BaseException | None], None],
+    ) -> bool:
+        """Starts the allreduce in the network and returns True, ``done`` to be called once with
+        None when the sum is in place or with the error; False if the network cannot sum it (the
+        C++ side gives it to gloo). The call is counted and logged either way."""
+        red_op = dist.ReduceOp.RedOpType(reduce_op)
+        why = network_reducible(tensors, red_op)
         if why:
-            self.calls.record(name, ON_GLOO, first_tensor(tensors), why)
-            return on_gloo()
-        self.calls.record(name, NETWORK, tensors[0])
-        return self._network_sum(tensors, self.size() if op == dist.ReduceOp.AVG else 1)
-
-    def _network_sum(self, tensors: list[torch.Tensor], divide_by: int = 1) -> dist.Work:
-        """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
-        tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by chunk)."""
-        lanes = self.data_plane.lanes
-        cuda = tensors[0].device.type == "cuda"
-        devices: list[int | str | torch.device] | None = [tensors[0].device] if cuda else None
+            self.calls.record(op, ON_GLOO, first_tensor(tensors), why)
+            return False
+        self.calls.record(op, NETWORK, tensors[0])
+        divide_by = self.size if red_op == dist.ReduceOp.AVG else 1
         if sum(t.numel() for t in tensors) == 0:
-            return completed_work(tensors, devices)
+            done(None)
+            return True
+        pending, finish = self._network_sum(tensors, divide_by)
+        self._watch.track(pending)
+
+        def complete(f: concurrent.futures.Future[None]) -> None:
+            try:
+                f.result()
+                finish()
+            except BaseException as e:  # the Work's future carries it to whoever waits
+                done(e)
+                return
+            done(None)
+
+        pending.add_done_callback(complete)
+        return True
+
+    def _network_sum(
+        self, tensors: list[torch.Tensor], divide_by: int
+    ) -> tuple[concurrent.futures.Future[None], Callable[[], None]]:
+        """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
+        tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by
+        chunk, divided there); the second value finishes the sum on the data plane's thread."""
+        lanes = self.data_plane.lanes
         t = tensors[0]
         if len(tensors) == 1 and t.device.type == "cpu" and t.dtype in DIRECT and t.is_contiguous():
-            pending = lanes.allreduce_async(t)
 
-            def finish() -> list[torch.Tensor]:
+            def divide() -> None:
                 if divide_by != 1:
                     t.div_(divide_by)
-                return tensors
 
-        else:
-            pending = self._stager.run(tensors, divide_by)
-
-            def finish() -> list[torch.Tensor]:
-                return tensors
-
-        self._watch.track(pending)
-        return FutureWork(pending, finish, devices)
+            return lanes.allreduce_async(t), divide
+        return self._stager.run(tensors, divide_by), lambda: None
 
 
 # Summed where they are, without a copy.
 DIRECT = (torch.float32, torch.int32)
-
-
-for _name in DELEGATED:
-    setattr(ProcessGroupSwitchagg, _name, _delegate(_name))
-
-
-def _options(op: dist.ReduceOp) -> dist.AllreduceOptions:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
-    return opts
 
 
 class StoreExchange:
@@ -263,13 +210,22 @@ class StoreExchange:
             pass
 
 
-def create_process_group(
-    store: dist.Store, rank: int, size: int, timeout: timedelta
-) -> ProcessGroupSwitchagg:
-    """The creator function c10d calls for init_process_group("switchagg") and new_group()."""
+def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.Backend:
+    """The creator function c10d calls for init_process_group("switchagg") and new_group(): the C++
+    backend (c10d wraps it in its own ProcessGroup) around gloo and the group's Network."""
     # c10d hands each group a store prefixed with its own name, so the tag only names the job.
     tag = f"g{_next_group_tag()}"
-    return ProcessGroupSwitchagg(store, rank, size, timeout, tag)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    cpp = native.load()  # compiled before the data plane opens: a build error leaves nothing behind
+    network = Network(store, rank, size, timeout, tag, gloo)
+    return cpp.create(rank, size, gloo, network)
+
+
+def backend_of(group: dist.ProcessGroup | None = None) -> Network:
+    """The switchagg side of a group made with backend "switchagg" (default: the default group):
+    ``stats()``, ``data_plane``, ``gloo``, ``close()``."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return native.load().network_of(pg._get_backend(torch.device("cpu")))
 
 
 _group_counter = 0
@@ -287,4 +243,4 @@ def _next_group_tag() -> int:
 def register() -> None:
     """Make "switchagg" a c10d backend name (idempotent)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICES))
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=list(DEVICES))

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import switchagg
 import switchagg.torch as satorch
 from switchagg import protocol
-from switchagg.torch import precision
+from switchagg.torch import backend_of, precision
 
 K = protocol.DEFAULT_SW_K
 CAP_MB = 0.25  # DDP bucket cap: two buckets from the second backward on, two works in flight
@@ -57,11 +57,11 @@ def float_bound(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def network_allreduces(pg: Any) -> int:
-    return int(pg.data_plane.stats()["allreduces"])  # summed over the lanes
+    return int(backend_of(pg).data_plane.stats()["allreduces"])  # summed over the lanes
 
 
 def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
-    gloo = pg.gloo
+    gloo = backend_of(pg).gloo
     out: dict[str, Any] = {}
     before = network_allreduces(pg)
 
@@ -109,17 +109,19 @@ def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
 def check_pinned(pg: Any, rank: int) -> dict[str, Any]:
     """The embedded aggregator pinned every rank's address: a well-formed DATA packet for a valid
     rank from a foreign socket is dropped as spoofed (rank 0 runs the aggregator and tries)."""
-    plane = pg.data_plane
+    plane = backend_of(pg).data_plane
     if rank != 0:
         return {"pinned": True}
-    before = plane.aggregator.counters()["drops"]["spoofed"]
+    aggregator = plane.aggregator
+    assert aggregator is not None  # rank 0 hosts it
+    before = aggregator.counters()["drops"]["spoofed"]
     packet = protocol.Header(job=1, rank=1, slot=0, values=[7] * plane.session.k).pack()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
         foreign.sendto(packet, plane.session.aggregator)
     deadline = time.monotonic() + 10
-    while plane.aggregator.counters()["drops"]["spoofed"] == before and time.monotonic() < deadline:
+    while aggregator.counters()["drops"]["spoofed"] == before and time.monotonic() < deadline:
         time.sleep(0.01)
-    return {"pinned": plane.aggregator.counters()["drops"]["spoofed"] == before + 1}
+    return {"pinned": aggregator.counters()["drops"]["spoofed"] == before + 1}
 
 
 def block_exponents(inputs: list[torch.Tensor]) -> np.ndarray:
@@ -146,7 +148,7 @@ def precision_case(
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     mine, theirs = inputs[rank].clone(), inputs[rank].clone()
     dist.all_reduce(mine, op=op)
-    pg.gloo.allreduce([theirs], _avg_opts() if average else dist.AllreduceOptions()).wait()
+    backend_of(pg).gloo.allreduce([theirs], _avg_opts() if average else dist.AllreduceOptions()).wait()
     bound = precision.error_bound(dtype, n, block_exponents(inputs), exact, average)
     err = np.abs(mine.double().numpy() - exact)
     gloo_err = np.abs(theirs.double().numpy() - exact)
@@ -165,7 +167,7 @@ def _avg_opts() -> Any:
 
 def check_precision(pg: Any, rank: int, n: int) -> dict[str, Any]:
     """SUM and AVG of float32, bfloat16 and float16 in the network, and a bfloat16 list coalesced."""
-    before = pg.stats()["network"].get("allreduce", 0)
+    before = backend_of(pg).stats()["network"].get("allreduce", 0)
     cases = {}
     for i, (dtype, average) in enumerate(
         [(d, a) for d in (torch.float32, torch.bfloat16, torch.float16) for a in (False, True)]
@@ -180,7 +182,7 @@ def check_precision(pg: Any, rank: int, n: int) -> dict[str, Any]:
         "precision": cases,
         "bf16_list_avg_ok": bool(torch.equal(a, torch.full((3, 4), mean, dtype=torch.bfloat16)))
         and bool(torch.equal(b, torch.full((5,), 10 * mean, dtype=torch.bfloat16))),
-        "precision_network_calls": pg.stats()["network"].get("allreduce", 0) - before,
+        "precision_network_calls": backend_of(pg).stats()["network"].get("allreduce", 0) - before,
     }
 
 
@@ -202,7 +204,8 @@ def check_more_groups(pg: Any, rank: int, n: int) -> dict[str, Any]:
         x = torch.full((5,), float(rank))
         dist.all_reduce(x, group=sub)
         out["subgroup_ok"] = x.tolist() == [float(n - 1)] * 5
-        out["subgroup_own_session"] = sub.data_plane.session is not pg.data_plane.session
+        own = backend_of(sub).data_plane.session is not backend_of(pg).data_plane.session
+        out["subgroup_own_session"] = own
         out["subgroup_network_allreduces"] = network_allreduces(sub)
     else:
         out["subgroup_ok"] = out["subgroup_own_session"] = True
@@ -315,7 +318,7 @@ def scrape_torch_calls(pg: Any) -> list[str]:
     """The switchagg_torch_calls_total lines of this process's worker metrics (SWITCHAGG_METRICS_PORT)."""
     import urllib.request
 
-    address = pg.data_plane.session.metrics_address
+    address = backend_of(pg).data_plane.session.metrics_address
     if address is None:
         return []
     with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=30) as page:
@@ -326,13 +329,16 @@ def scrape_torch_calls(pg: Any) -> list[str]:
 def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
     dist.init_process_group("switchagg")
     pg: Any = dist.group.WORLD
-    result: dict[str, Any] = {"type": type(pg).__name__}
+    result: dict[str, Any] = {
+        "type": type(backend_of(pg)).__name__,
+        "backends": {d.type: pg._get_backend(d).name() for d in pg._device_types},
+    }
     result.update(check_sums(pg, rank, n))
     result.update(check_precision(pg, rank, n))
     result.update(check_delegated(pg, rank, n))
     result.update(check_more_groups(pg, rank, n))
     result.update(check_ddp(pg, rank, n))
-    result["stats"] = pg.stats()
+    result["stats"] = backend_of(pg).stats()
     result["metrics"] = scrape_torch_calls(pg)
     dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
@@ -426,7 +432,7 @@ def scenario_paused_peer(rank: int, n: int, out_dir: Path) -> None:
             result["hook"] = {"error": type(e).__name__, "message": str(e)}
         result["hook"]["seconds"] = time.monotonic() - start
         result["hook"]["network"] = state.stats()["network"].get("allreduce", 0)
-    result["stats"] = pg.stats()
+    result["stats"] = backend_of(pg).stats()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if result["backend"]["error"] is None:
         dist.barrier()
@@ -438,7 +444,7 @@ def scenario_bind(rank: int, n: int, out_dir: Path) -> None:
     pg: Any = dist.group.WORLD
     t = torch.full((K + 3,), rank + 1, dtype=torch.int32)
     dist.all_reduce(t)
-    session = pg.data_plane.session
+    session = backend_of(pg).data_plane.session
     result = {
         "ok": bool(torch.equal(t, torch.full((K + 3,), n * (n + 1) // 2, dtype=torch.int32))),
         "aggregator": list(session.aggregator),
@@ -476,7 +482,7 @@ def scenario_cuda(rank: int, n: int, out_dir: Path) -> None:
         return [g.cpu() for g in grads(ddp, x)]
 
     reference = cuda_grads(gloo_group)
-    before = pg.stats()["network"].get("allreduce", 0)
+    before = backend_of(pg).stats()["network"].get("allreduce", 0)
     backend = cuda_grads(pg)
     state = satorch.SwitchaggHookState(gloo_group)
     hooked = cuda_grads(gloo_group, state)
@@ -490,8 +496,8 @@ def scenario_cuda(rank: int, n: int, out_dir: Path) -> None:
 
     result = {
         "sums_ok": ok,
-        "network_calls": pg.stats()["network"].get("allreduce", 0),
-        "ddp_backend_network": pg.stats()["network"].get("allreduce", 0) - before,
+        "network_calls": backend_of(pg).stats()["network"].get("allreduce", 0),
+        "ddp_backend_network": backend_of(pg).stats()["network"].get("allreduce", 0) - before,
         "ddp_backend_max_diff": max_diff(backend),
         "ddp_hook_max_diff": max_diff(hooked),
         "ddp_bound": bound,
@@ -507,7 +513,7 @@ def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
     """SWITCHAGG_JOB_SERVICE is set: the ranks join through the controller, no embedded aggregator."""
     dist.init_process_group("switchagg")
     pg: Any = dist.group.WORLD
-    plane = pg.data_plane
+    plane = backend_of(pg).data_plane
     t = rank_input(rank, 2 * K + 3, torch.int32, 3)
     dist.all_reduce(t)
     exact = torch.stack([rank_input(r, 2 * K + 3, torch.int32, 3).long() for r in range(n)]).sum(0).int()
@@ -528,7 +534,7 @@ def scenario_job_service(rank: int, n: int, out_dir: Path) -> None:
         "rank": plane.session.assignment.rank,
     }
     dist.barrier()
-    pg.close()  # leaves the job
+    backend_of(pg).close()  # leaves the job
     dist.barrier()  # gloo still works after the network side is closed
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -784,7 +790,7 @@ def scenario_lanes(rank: int, n: int, out_dir: Path) -> None:
     against gloo, then a call that differs on one lane fails on every rank and ends the group."""
     dist.init_process_group("switchagg")
     pg: Any = dist.group.WORLD
-    lanes = pg.data_plane.lanes
+    lanes = backend_of(pg).data_plane.lanes
     result: dict[str, Any] = {"lanes": len(lanes)}
     result.update(check_lane_calls(pg, rank, n, rounds=3))
     result["lane_calls"] = [int(s.stats()["allreduces"]) for s in lanes.sessions]
@@ -832,7 +838,7 @@ def scenario_shards(rank: int, n: int, out_dir: Path) -> None:
     and DDP (backend and hook) against gloo, striped over them."""
     dist.init_process_group("switchagg")
     pg: Any = dist.group.WORLD
-    plane = pg.data_plane
+    plane = backend_of(pg).data_plane
     result: dict[str, Any] = {
         "hosts": plane.aggregator is not None,
         "shards": [["{}:{}".format(*sh.aggregator) for sh in s.shards] for s in plane.lanes.sessions],

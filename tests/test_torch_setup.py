@@ -98,6 +98,33 @@ def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> Non
     assert done.stdout.split() == ["switchagg", "{'allreduce':", "1}", "10.0"], done.stdout
 
 
+def test_the_cpp_backend_is_built_once_per_torch_and_loaded_after(tmp_path: Path) -> None:
+    """native.py: the first process compiles the C++ c10d backend into TORCH_EXTENSIONS_DIR and the
+    next one loads that library: neither it nor its object file is written again."""
+    code = "from switchagg.torch import native; native.main()"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    library = Path(first.stdout.split(": ", 1)[1].strip())
+    assert library.is_file() and library.is_relative_to(tmp_path), first.stdout
+    built = {p: p.stat().st_mtime_ns for p in (library, library.with_name("c10d_backend.o"))}
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == first.stdout
+    assert {p: p.stat().st_mtime_ns for p in built} == built
+
+
+def test_a_missing_compiler_is_named(tmp_path: Path) -> None:
+    """Where the C++ backend cannot be compiled, the error says what it needs."""
+    code = "from switchagg.torch import native; native.load()"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-compiler"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "NativeBuildError" in done.stderr and "g++" in done.stderr and "python3-dev" in done.stderr, (
+        done.stderr[-3000:]
+    )
+
+
 def test_exit_waits_for_the_gloo_threads(tmp_path: Path) -> None:
     """Importing switchagg.torch registers leaving.settle at exit: it finds gloo's worker threads
     and returns once they all sleep, so none frees a Python tensor during finalization; the

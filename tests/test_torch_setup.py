@@ -60,6 +60,8 @@ def test_loopback_aggregator_from_another_network_fails_naming_switchagg_bind() 
     check_reachable("192.0.2.2", "another-host/1", mine)  # a routable address: not judged
     with pytest.raises(RuntimeError, match="SWITCHAGG_BIND"):
         check_reachable("127.0.0.1", "another-host/1", mine)
+    with pytest.raises(RuntimeError, match="rank 2's embedded switchagg aggregator"):  # SWITCHAGG_SHARDS
+        check_reachable("127.0.0.1", "another-host/1", mine, hosting_rank=2)
 
 
 def test_embedded_binds_the_address_routed_toward_master_addr(tmp_path: Path) -> None:

@@ -179,14 +179,16 @@ def network_identity() -> str:
         return ""  # unknown: not checked
 
 
-def check_reachable(host: str, publisher: str, mine: str) -> None:
-    """Rank 0's aggregator listens on ``host``; a loopback address is reachable from its own network
-    stack only (``publisher`` and ``mine`` are network_identity()s; empty: unknown, not checked)."""
+def check_reachable(host: str, publisher: str, mine: str, hosting_rank: int = 0) -> None:
+    """``hosting_rank``'s aggregator listens on ``host``; a loopback address is reachable from its own
+    network stack only (``publisher`` and ``mine`` are network_identity()s; empty: unknown, not
+    checked)."""
     if host.startswith("127.") and publisher and mine and publisher != mine:
         raise RuntimeError(
-            f"rank 0's embedded switchagg aggregator listens on {host}, a loopback address, and this rank "
-            "runs on another host (or network namespace), so it could not reach it: set SWITCHAGG_BIND to "
-            "an address of rank 0's host that every rank can reach (unset, it is the address routed "
+            f"rank {hosting_rank}'s embedded switchagg aggregator listens on {host}, a loopback address, "
+            "and this rank runs on another host (or network namespace), so it could not reach it: set "
+            f"SWITCHAGG_BIND to an address of rank {hosting_rank}'s host that every rank can reach (unset, "
+            "it is the address routed "
             f"toward MASTER_ADDR={os.environ.get('MASTER_ADDR', '')!r}, loopback when that is local)"
         )
 
@@ -321,8 +323,8 @@ def _open_embedded(
         aggregator, addresses, key, networks = _host_aggregators(rank, exchange, hosts)
         try:
             mine_network = network_identity()
-            for address, network in zip(addresses, networks, strict=True):
-                check_reachable(address[0], network, mine_network)
+            for host, address, network in zip(hosts, addresses, networks, strict=True):
+                check_reachable(address[0], network, mine_network, host)
             for lane in range(lanes):
                 shards = [
                     Shard(a, lane * per_lane, per_lane, _embedded_key(key, lane, s))

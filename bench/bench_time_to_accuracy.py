@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,13 +35,10 @@ RESULTS = ROOT / "bench" / "results"
 BACKENDS = ("gloo", "switchagg")
 
 
-def train(bed: Any, workdir: Path, backend: str, args: argparse.Namespace, port: int) -> list[dict[str, Any]]:
-    """One training run of every rank; rank 0's per-epoch history."""
+def run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: int) -> list[str]:
+    """``argv`` on every rank of the rack at once; their standard outputs."""
     from switchagg_lab.testbed.testbed_controller import worker_env
 
-    out = workdir / f"train-{backend}.json"
-    argv = [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--backend", backend]
-    argv += ["--epochs", str(args.epochs), "--hidden", str(args.hidden), "--json", str(out)]
     procs = []
     for e in bed.endpoints:
         env = {
@@ -49,15 +47,42 @@ def train(bed: Any, workdir: Path, backend: str, args: argparse.Namespace, port:
             "TORCH_CPP_LOG_LEVEL": "ERROR",
         }
         procs.append(e.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
-    failed = [d for d in wait_all(procs, args.timeout) if d.returncode != 0]
+    done = wait_all(procs, timeout)
+    failed = [d for d in done if d.returncode != 0]
     if failed:
-        raise RuntimeError(f"{backend}: a rank failed ({failed[0].returncode}): {failed[0].stderr[-2000:]}")
+        raise RuntimeError(f"a rank failed ({failed[0].returncode}): {failed[0].stderr[-2000:]}")
+    return [d.stdout for d in done]
+
+
+def train(bed: Any, workdir: Path, backend: str, args: argparse.Namespace, port: int) -> list[dict[str, Any]]:
+    """One training run of every rank; rank 0's per-epoch history."""
+    out = workdir / f"train-{backend}.json"
+    argv = [sys.executable, str(ROOT / "examples" / "train_digits.py"), "--backend", backend]
+    argv += ["--epochs", str(args.epochs), "--hidden", str(args.hidden), "--json", str(out)]
+    run_ranks(bed, workdir, argv, args.timeout, port)
     history: list[dict[str, Any]] = json.loads(out.read_text())["history"]
     elapsed = 0.0
     for record in history:
         elapsed += record["train_s"]
         record["elapsed_s"] = elapsed
     return history
+
+
+def gradient_mb(hidden: int) -> int:
+    """train_digits.py's gradient in MB (its MLP 64 -> hidden -> hidden -> 10, float32), at least 1."""
+    params = 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
+    return max(1, round(params * 4 / 1e6))
+
+
+def allreduce_only(bed: Any, workdir: Path, backend: str, args: argparse.Namespace, port: int) -> float:
+    """Seconds of one allreduce of the gradient's size on its own (bench_testbed.py's worker, the
+    slowest rank per repetition, median of 5): the gain DDP's step could reach at best."""
+    argv = [sys.executable, str(ROOT / "bench" / "bench_testbed.py"), "--worker", "--backend", backend]
+    argv += ["--size", str(gradient_mb(args.hidden)), "--reps", "5"]
+    outs = run_ranks(bed, workdir, argv, args.timeout, port)
+    reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    slowest = [max(r["times"][i] for r in reports) for i in range(5)]
+    return statistics.median(slowest)
 
 
 def time_to(history: list[dict[str, Any]], target: float) -> float | None:
@@ -98,6 +123,7 @@ def bench(args: argparse.Namespace) -> int:
         print(reason, file=sys.stderr)
         return 2
     runs: dict[str, list[dict[str, Any]]] = {}
+    alone: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         with Testbed(args.workers, workdir, data_plane="soft", rate_mbit=args.rate) as bed:
@@ -112,6 +138,9 @@ def bench(args: argparse.Namespace) -> int:
                     for r in runs[backend]:
                         done = f"accuracy {r['accuracy']:.2%} after {r['elapsed_s']:.1f} s"
                         print(f"  epoch {r['epoch']}: {done} (step {r['step_ms']:.0f} ms)", flush=True)
+                    alone[backend] = allreduce_only(bed, workdir, backend, args, port + 10)
+                    mb = gradient_mb(args.hidden)
+                    print(f"  one {mb} MB allreduce alone: {alone[backend]:.3f} s", flush=True)
             finally:
                 service.kill()
                 service.wait(timeout=30)
@@ -123,12 +152,18 @@ def bench(args: argparse.Namespace) -> int:
         "cpus": os.cpu_count(),
         "target": args.target,
         "speedup": step["gloo"] / step["switchagg"],
+        "gradient_mb": gradient_mb(args.hidden),
+        "allreduce_s": alone,
+        "allreduce_speedup": alone["gloo"] / alone["switchagg"],
         "time_to_target_s": {b: time_to(h, args.target) for b, h in runs.items()},
         "final_accuracy": {b: h[-1]["accuracy"] for b, h in runs.items()},
         "runs": runs,
     }
+    result["fraction_of_allreduce_gain"] = result["speedup"] / result["allreduce_speedup"]
     print(f"step time: gloo {step['gloo']:.0f} ms, switchagg {step['switchagg']:.0f} ms: "
           f"{result['speedup']:.2f}x; time to {args.target:.0%}: {result['time_to_target_s']}")  # fmt: skip
+    print(f"allreduce alone ({result['gradient_mb']} MB): {result['allreduce_speedup']:.2f}x; the DDP step "
+          f"reaches {result['fraction_of_allreduce_gain']:.0%} of it")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

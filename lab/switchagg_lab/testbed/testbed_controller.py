@@ -4,6 +4,7 @@ environment that points a worker's torch backend at it."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def worker_env(
 ) -> dict[str, str]:
     """What rank ``rank`` needs for init_process_group (env://) and the switchagg backend."""
     e = workers[rank]
-    return {
+    env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(len(workers)),
         "LOCAL_RANK": "0",
@@ -146,3 +147,9 @@ def worker_env(
         "SWITCHAGG_WORKER_BIND": e.ip,
         "SWITCHAGG_TESTBED_IP": e.ip,
     }
+    # The emulated nodes share this host's cores: as torchrun does for several local ranks, one
+    # intra-op thread each unless the caller says, so that torch's spinning OpenMP threads of one
+    # node do not take the cores the others' compute and packet paths need.
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(workers)))
+    return env

@@ -7,11 +7,13 @@ was compiled against (its C++ ABI), and the install must work whatever torch the
 and keep working when it changes; the cache is per torch version. ``python -m switchagg.torch``
 builds it ahead (a Docker image, a cluster's shared home) and prints where it is. The cache lies
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ranks that start together
-build it once (torch's file lock), the others wait for it.
+build it once (torch's file lock), the others wait for it. A build lies in a directory named
+after the torch version and the source's hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -34,8 +36,11 @@ class NativeBuildError(RuntimeError):
 
 
 def module_name() -> str:
-    """One build per torch version: a library built for another torch would not load (C++ ABI)."""
-    return "switchagg_c10d_" + re.sub(r"\W", "_", torch.__version__)
+    """One build per torch version (a library built for another torch would not load: C++ ABI) and
+    per source (a newer switchagg builds beside, not over, a library that running jobs have loaded)."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    version = re.sub(r"\W", "_", torch.__version__)
+    return f"switchagg_c10d_{version}_{source}"
 
 
 def load() -> ModuleType:

@@ -49,6 +49,7 @@ MAX_WORKERS = 32
 
 BASE_IMAGE = "switchagg-base:bookworm"
 BUILD_IMAGE = "switchagg-build:dev"  # Dockerfile.node's build stage, tagged: the cache of the wheel
+TORCH_BUILD_IMAGE = "switchagg-torch-build:dev"  # its torch-build stage: the c10d backend's library
 CONTROLLER_IMAGE = "switchagg-controller:dev"
 WORKER_IMAGE = "switchagg-worker:dev"
 BMV2_SWITCH_IMAGE = "switchagg-bmv2-switch:dev"
@@ -497,7 +498,8 @@ def build_images(variant: str, p4_image: str | None = None) -> None:
         pip_settings(context / "pip")
         # The build stage is tagged like the others: an untagged stage would be the prune's (and
         # its layers, the compiled wheel, rebuilt every time).
-        targets = [("build", BUILD_IMAGE), ("controller", CONTROLLER_IMAGE), ("worker", WORKER_IMAGE)]
+        targets = [("build", BUILD_IMAGE), ("torch-build", TORCH_BUILD_IMAGE)]
+        targets += [("controller", CONTROLLER_IMAGE), ("worker", WORKER_IMAGE)]
         if variant == "bmv2":
             targets.append(("p4rt-shell", P4RT_SHELL_IMAGE))
         tags = [tag for _, tag in targets] + ([BMV2_SWITCH_IMAGE] if variant == "bmv2" else [])

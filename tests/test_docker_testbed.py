@@ -189,7 +189,7 @@ def test_two_projects_train_at_once_through_the_make_targets() -> None:
     engine_problem = engine_cannot_run_containers()
     if engine_problem:
         pytest.skip(engine_problem)
-    tags = [tb.BUILD_IMAGE, tb.CONTROLLER_IMAGE, tb.WORKER_IMAGE]
+    tags = [tb.BUILD_IMAGE, tb.TORCH_BUILD_IMAGE, tb.CONTROLLER_IMAGE, tb.WORKER_IMAGE]
     sources, previous = source_digest(), image_ids(tags)
     tb.build_images("soft")
     # Warm: unchanged sources, the same images, in seconds.

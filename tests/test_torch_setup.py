@@ -102,7 +102,8 @@ def test_backend_registers_without_import_switchagg_torch(tmp_path: Path) -> Non
 
 def test_the_cpp_backend_is_built_once_per_torch_and_loaded_after(tmp_path: Path) -> None:
     """native.py: the first process compiles the C++ c10d backend into TORCH_EXTENSIONS_DIR and the
-    next one loads that library: neither it nor its object file is written again."""
+    next one imports that library without building (CXX names no compiler then, and neither the
+    library nor its object file is written again)."""
     code = "from switchagg.torch import native; native.main()"
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -110,6 +111,7 @@ def test_the_cpp_backend_is_built_once_per_torch_and_loaded_after(tmp_path: Path
     library = Path(first.stdout.split(": ", 1)[1].strip())
     assert library.is_file() and library.is_relative_to(tmp_path), first.stdout
     built = {p: p.stat().st_mtime_ns for p in (library, library.with_name("c10d_backend.o"))}
+    env["CXX"] = str(tmp_path / "no-compiler")
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout == first.stdout

@@ -1,19 +1,20 @@
 """The C++ half of the "switchagg" c10d backend (csrc/c10d_backend.cpp), compiled by torch's own
-C++-extension builder (torch.utils.cpp_extension.load, with ninja) against the torch that is
-installed, the first time a process needs it, and cached: later processes only load the library.
+C++-extension builder (torch.utils.cpp_extension.load, with ninja) against the installed torch the
+first time a process needs it, and cached: later processes import the finished library directly
+(no compiler, no ninja, no Python headers needed then).
 
 Built at first use rather than at ``pip install``: a torch C++ extension is tied to the exact torch it
 was compiled against (its C++ ABI), and the install must work whatever torch the environment holds
-and keep working when it changes; the cache is per torch version. ``python -m switchagg.torch``
-builds it ahead (a Docker image, a cluster's shared home) and prints where it is. The cache lies
-under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ranks that start together
-build it once (torch's file lock), the others wait for it. A build lies in a directory named
-after the torch version and the source's hash.
+and keep working when it changes. ``python -m switchagg.torch`` builds it ahead (a Docker image, a
+cluster's shared home) and prints where it is. The cache lies under ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), one directory per Python, torch version and source hash;
+ranks that start together build it once (torch's file lock), the others wait for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -36,11 +37,19 @@ class NativeBuildError(RuntimeError):
 
 
 def module_name() -> str:
-    """One build per torch version (a library built for another torch would not load: C++ ABI) and
-    per source (a newer switchagg builds beside, not over, a library that running jobs have loaded)."""
+    """One build per Python and torch version (a library built for another torch would not load:
+    C++ ABI) and per source (a newer switchagg builds beside, not over, a library that running jobs
+    have loaded)."""
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     version = re.sub(r"\W", "_", torch.__version__)
-    return f"switchagg_c10d_{version}_{source}"
+    return f"switchagg_c10d_py{sys.version_info.major}{sys.version_info.minor}_{version}_{source}"
+
+
+def build_directory() -> Path:
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / module_name()
 
 
 def load() -> ModuleType:
@@ -48,17 +57,36 @@ def load() -> ModuleType:
     global _module
     with _lock:
         if _module is None:
-            _module = _build()
+            _module = _import_built() or _build()
         return _module
+
+
+def _import_built() -> ModuleType | None:
+    """The library a finished build left, imported as it is; None if there is none yet (or a build
+    is under way: torch's lock file is there until it ends)."""
+    where = build_directory()
+    library = where / f"{module_name()}.so"
+    if not library.is_file() or (where / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(module_name(), library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
+    where = build_directory()
+    where.mkdir(parents=True, exist_ok=True)
     verbose = os.environ.get("SWITCHAGG_DEBUG", "").strip().upper() == "DEBUG"
     try:
-        return cpp_extension.load(module_name(), [str(SOURCE)], extra_cflags=["-O2"], verbose=verbose)
+        return cpp_extension.load(
+            module_name(), [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(where), verbose=verbose
+        )
     except (RuntimeError, OSError, ImportError) as e:
         raise NativeBuildError(
             f"switchagg's c10d backend ({SOURCE.name}) is compiled with torch's C++ extension builder the "

@@ -109,14 +109,10 @@ class SwitchaggBackend : public c10d::Backend {
     return network_;
   }
 
-  c10::intrusive_ptr<c10d::Backend> gloo() const {
-    return gloo_;
-  }
-
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts) override {
-    if (auto work = network("allreduce", tensors, opts.reduceOp)) {
+    if (auto work = startInNetwork("allreduce", tensors, opts.reduceOp)) {
       return work;
     }
     return gloo_->allreduce(tensors, opts);
@@ -125,7 +121,7 @@ class SwitchaggBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts) override {
-    if (auto work = network("allreduce_coalesced", tensors, opts.reduceOp)) {
+    if (auto work = startInNetwork("allreduce_coalesced", tensors, opts.reduceOp)) {
       return work;
     }
     return gloo_->allreduce_coalesced(tensors, opts);
@@ -272,7 +268,7 @@ class SwitchaggBackend : public c10d::Backend {
  private:
   // Starts the allreduce in the network, or returns null if it is gloo's: Network.start says why
   // not (op, dtype, device) and has counted and logged the call either way.
-  c10::intrusive_ptr<c10d::Work> network(
+  c10::intrusive_ptr<c10d::Work> startInNetwork(
       const char* op,
       std::vector<at::Tensor>& tensors,
       const c10d::ReduceOp& reduceOp) {
@@ -322,5 +318,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");  // c10d's types (Backend, ReduceOp) are registered there
   m.def("create", &create, "A switchagg c10d Backend around an inner gloo backend and its Python network side");
   m.def("network_of", [](const c10::intrusive_ptr<c10d::Backend>& b) { return ours(b).network(); });
-  m.def("gloo_of", [](const c10::intrusive_ptr<c10d::Backend>& b) { return ours(b).gloo(); });
 }

@@ -119,7 +119,8 @@ async def test_join_reinstall_and_reload_keep_one_key_per_job(tmp_path: Path) ->
                 await plane.install(bumped)
                 assert bumped.generation != a[0].generation and bumped.key == key
                 assert agg.jobs()[job_id].key == key
-                assert manager.heartbeat(job_id, 0) == bumped.generation
+                rank0 = next(r for r in a if r.rank == 0)
+                assert manager.heartbeat(job_id, 0, rank0.member_token) == bumped.generation
 
                 # Another job gets a key of its own.
                 (b,) = await asyncio.gather(aio_join(stub, SECRET, "b", 1, "127.0.0.1", 43010))

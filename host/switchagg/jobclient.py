@@ -14,7 +14,7 @@ import math
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
@@ -60,6 +60,9 @@ class Assignment:
     generation: int
     key: int = 0  # the job's result key: its aggregator's RESULTs carry it (Session(key=...))
     shards: tuple[ShardAssignment, ...] = ()  # a striped job's shards (the fields above: shard 0's)
+    # This worker's credential for its place in the job: heartbeat() and leave() present it (the
+    # join secret alone cannot heartbeat or leave a job). Kept out of repr, which logs may show.
+    token: str = field(default="", repr=False)
 
 
 def _call(service: str, what: str, method: str, request: object, timeout: float) -> object:
@@ -128,6 +131,7 @@ def join(
         r.generation,
         r.result_key,
         tuple(_shard(s) for s in r.shards),
+        r.member_token,
     )
 
 
@@ -160,7 +164,9 @@ def describe(service: str, secret: str, timeout: float = 10.0) -> int:
 
 def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> bool:
     """Leaves the job; True when this was the last worker and the job's slots were freed."""
-    request = jobs_pb2.LeaveRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    request = jobs_pb2.LeaveRequest(
+        secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
+    )
     r = _call(service, f"leave job {assignment.job_id}", "Leave", request, timeout)
     assert isinstance(r, jobs_pb2.LeaveReply)
     return r.job_removed
@@ -168,7 +174,9 @@ def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10
 
 def heartbeat(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> int:
     """Tells the service this worker is alive; returns the job's current generation."""
-    request = jobs_pb2.HeartbeatRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    request = jobs_pb2.HeartbeatRequest(
+        secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
+    )
     r = _call(service, f"heartbeat job {assignment.job_id}", "Heartbeat", request, timeout)
     assert isinstance(r, jobs_pb2.HeartbeatReply)
     return r.generation

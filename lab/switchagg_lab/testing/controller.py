@@ -11,7 +11,8 @@ from typing import Any
 from switchagg_lab.testing.job_worker import PROGRAM
 from switchagg_lab.testing.kit import json_reports
 
-SECRET = "s3cret-for-tests"
+SECRET = "s3cret-for-tests"  # the join secret
+ADMIN_SECRET = "admin-s3cret-for-tests"  # ListJobs, Counters, Teardown: client_args()
 
 
 class Controller:
@@ -20,6 +21,8 @@ class Controller:
     def __init__(self, tmp: Path, extra: list[str], secret: str = SECRET) -> None:
         self.secret_file = tmp / "secret"
         self.secret_file.write_text(secret + "\n")
+        self.admin_secret_file = tmp / "admin-secret"
+        self.admin_secret_file.write_text(ADMIN_SECRET + "\n")
         self.state = tmp / "ctl.db"
         self.extra = extra
         self.proc: subprocess.Popen[str] | None = None
@@ -30,7 +33,8 @@ class Controller:
         cmd = [
             sys.executable, "-m", "switchagg_controller.cli", "serve",
             "--listen", listen or f"127.0.0.1:{port}",
-            "--secret-file", str(self.secret_file), "--state", str(self.state), *self.extra,
+            "--secret-file", str(self.secret_file), "--admin-secret-file", str(self.admin_secret_file),
+            "--state", str(self.state), *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -71,7 +75,8 @@ class Controller:
         return r
 
     def client_args(self) -> list[str]:
-        return ["--service", self.address, "--secret-file", str(self.secret_file)]
+        """The flags of an operator's command (jobs, counters, top, teardown): the admin secret."""
+        return ["--service", self.address, "--admin-secret-file", str(self.admin_secret_file)]
 
 
 def start_workers(

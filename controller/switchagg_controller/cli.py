@@ -96,19 +96,16 @@ def _admin_secret(args: argparse.Namespace) -> str:
     return secret
 
 
-def _add_secret(p: argparse.ArgumentParser, admin: bool = False, hidden: bool = False) -> None:
+def _add_secret(p: argparse.ArgumentParser, admin: bool = False) -> None:
     """--secret and --secret-file (admin: --admin-secret and --admin-secret-file)."""
     prefix, env, what = ("admin-", "ADMIN_", "the admin secret") if admin else ("", "", "the join secret")
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         f"--{prefix}secret",
-        help=argparse.SUPPRESS
-        if hidden
-        else f"{what} (visible in ps: prefer --{prefix}secret-file; default $SWITCHAGG_{env}SECRET)",
+        help=f"{what} (visible in ps: prefer --{prefix}secret-file; default $SWITCHAGG_{env}SECRET)",
     )
     g.add_argument(
-        f"--{prefix}secret-file",
-        help=argparse.SUPPRESS if hidden else f"file holding {what} (default $SWITCHAGG_{env}SECRET_FILE)",
+        f"--{prefix}secret-file", help=f"file holding {what} (default $SWITCHAGG_{env}SECRET_FILE)"
     )
 
 
@@ -121,7 +118,8 @@ def _add_client(p: argparse.ArgumentParser) -> None:
         f"(default $SWITCHAGG_JOB_SERVICE, else {DEFAULT_SERVICE})",
     )
     _add_secret(p, admin=True)
-    _add_secret(p, hidden=True)  # the join secret, refused with a word on what to use instead
+    for flag in ("--secret", "--secret-file"):  # the join secret: refused, with what to use instead
+        p.add_argument(flag, help=argparse.SUPPRESS)
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:

@@ -18,11 +18,17 @@ ADMIN_SECRET = "admin-s3cret-for-tests"  # ListJobs, Counters, Teardown: client_
 class Controller:
     """``switchagg-ctl serve`` in its own process; ``address`` is its job service."""
 
-    def __init__(self, tmp: Path, extra: list[str], secret: str = SECRET) -> None:
+    def __init__(
+        self, tmp: Path, extra: list[str], secret: str = SECRET, admin_secret: str | None = ADMIN_SECRET
+    ) -> None:
+        """``admin_secret`` None: serve is given none, and keeps the one it makes (the banner says where)."""
         self.secret_file = tmp / "secret"
         self.secret_file.write_text(secret + "\n")
         self.admin_secret_file = tmp / "admin-secret"
-        self.admin_secret_file.write_text(ADMIN_SECRET + "\n")
+        self.admin_flags: list[str] = []
+        if admin_secret is not None:
+            self.admin_secret_file.write_text(admin_secret + "\n")
+            self.admin_flags = ["--admin-secret-file", str(self.admin_secret_file)]
         self.state = tmp / "ctl.db"
         self.extra = extra
         self.proc: subprocess.Popen[str] | None = None
@@ -33,7 +39,7 @@ class Controller:
         cmd = [
             sys.executable, "-m", "switchagg_controller.cli", "serve",
             "--listen", listen or f"127.0.0.1:{port}",
-            "--secret-file", str(self.secret_file), "--admin-secret-file", str(self.admin_secret_file),
+            "--secret-file", str(self.secret_file), *self.admin_flags,
             "--state", str(self.state), *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -44,6 +50,8 @@ class Controller:
             _, err = self.proc.communicate(timeout=30)
             raise RuntimeError(f"switchagg-ctl serve did not start: {self.banner!r} {err}")
         self.address = self.banner.split("job service on ")[1].split(";")[0]
+        if not self.admin_flags:
+            self.admin_secret_file = Path(self.banner.split("admin secret in ")[1].split(";")[0].strip())
         return self
 
     def stop(self) -> str:

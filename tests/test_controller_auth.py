@@ -268,8 +268,8 @@ def test_a_join_flood_takes_its_clients_slots_not_the_pool(tmp_path: Path) -> No
 async def test_waiting_joins_are_bounded_per_client_and_overall(tmp_path: Path) -> None:
     """Joins that wait for partners that never come: one client's 200 (each of its own job) stop
     at its job quota (20 waiting); a real job of another client is still placed; a third client's
-    flood stops at the service's bound (30 waiting in all); once the flooders give up, nothing of
-    them is left."""
+    flood stops at the service's bound (30 waiting in all), which still lets a join complete a
+    waiting job; once the flooders give up, nothing of them is left."""
     c = _serve(tmp_path, "--max-jobs-per-client", "20", "--max-pending-joins", "30")
     proxies = [SourceProxy(_target(c), "127.0.0.2"), SourceProxy(_target(c), "127.0.0.3")]
     try:
@@ -312,8 +312,12 @@ async def test_waiting_joins_are_bounded_per_client_and_overall(tmp_path: Path) 
             for details in await settle(second, 40):
                 assert "30 joins are waiting" in details and "--max-pending-joins" in details, details
             listing = await stub.ListJobs(jobs_pb2.ListJobsRequest(admin_secret=_admin(c)), timeout=10)
-            assert sum(j.state == "pending" for j in listing.jobs) == 30
+            waiting = [j.name for j in listing.jobs if j.state == "pending"]
+            assert len(waiting) == 30
             assert [j.name for j in listing.jobs if j.state == "active"] == ["real"]
+            # A join that completes a waiting job waits for nobody: the bound does not stop it.
+            done = await aio_join(stub, SECRET, waiting[0], 2, "127.0.0.1", 22010)
+            assert done.rank in (0, 1)
 
             for t in first + second:
                 t.cancel()  # the flooders give up: the service drops what they left waiting
@@ -321,7 +325,7 @@ async def test_waiting_joins_are_bounded_per_client_and_overall(tmp_path: Path) 
             deadline = time.monotonic() + 120
             while True:
                 listing = await stub.ListJobs(jobs_pb2.ListJobsRequest(admin_secret=_admin(c)), timeout=10)
-                if [j.name for j in listing.jobs] == ["real"]:
+                if sorted(j.name for j in listing.jobs) == sorted(["real", waiting[0]]):
                     break
                 assert time.monotonic() < deadline, [j.name for j in listing.jobs]
                 await asyncio.sleep(0.05)

@@ -82,6 +82,7 @@ def test_a_store_from_before_keys_opens_and_its_jobs_stay_unkeyed(tmp_path: Path
     s = Store(path)
     (record,) = s.load()
     assert record.job.name == "legacy" and record.job.key == 0 and record.job.generation == 41
+    assert record.tokens == {0: ""} and record.clients == {0: ""}  # told no member token: none checked
     assert s.next_generation() == 42
     s.save(JobRecord(_job(4, 0xABCDEF01), "software"))
     assert {r.job.job_id: r.job.key for r in s.load()} == {3: 0, 4: 0xABCDEF01}

@@ -102,10 +102,13 @@ def _add_secret(p: argparse.ArgumentParser, admin: bool = False) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         f"--{prefix}secret",
+        metavar="SECRET",
         help=f"{what} (visible in ps: prefer --{prefix}secret-file; default $SWITCHAGG_{env}SECRET)",
     )
     g.add_argument(
-        f"--{prefix}secret-file", help=f"file holding {what} (default $SWITCHAGG_{env}SECRET_FILE)"
+        f"--{prefix}secret-file",
+        metavar="FILE",
+        help=f"file holding {what} (default $SWITCHAGG_{env}SECRET_FILE)",
     )
 
 

@@ -206,7 +206,7 @@ class JobManager:
         self._check_shard_ips(ip, shards, shard_ips)
         wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
         self._check_not_running(name, ip, udp_port)
-        self._check_quotas(self._pending.get(name), client)
+        self._check_quotas(self._pending.get(name), world_size, client)
         pending = self._pending.setdefault(name, _Pending(name, world_size, shards))
         self._check_member(pending, world_size, ip, udp_port, rank)
         if shards != pending.shards:
@@ -241,11 +241,13 @@ class JobManager:
         assert pending.job is not None
         return self._assignment(pending.data_plane, pending.job, ip, udp_port, member.token)
 
-    def _check_quotas(self, pending: _Pending | None, client: str) -> None:
+    def _check_quotas(self, pending: _Pending | None, world_size: int, client: str) -> None:
         """Refuses a join that would take ``client`` past its job quota, or the service past its
-        waiting joins (a waiting Join holds memory and a coroutine until its timeout)."""
+        waiting joins (a waiting Join holds memory and a coroutine until its timeout). The join
+        that completes a job waits for nobody: it frees waiting joins, so it is never refused so."""
         limits, exhausted = self.limits, grpc.StatusCode.RESOURCE_EXHAUSTED
-        if limits.pending_joins:
+        completes = (len(pending.members) if pending is not None else 0) + 1 >= world_size
+        if limits.pending_joins and not completes:
             waiting = sum(len(p.members) for p in self._pending.values())
             if waiting >= limits.pending_joins:
                 raise JobError(

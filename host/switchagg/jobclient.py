@@ -5,7 +5,9 @@ membership = Membership("127.0.0.1:50051", secret, a).start()   # heartbeats fro
 ...  # Session(a.job_id, a.rank, ...) and allreduce
 membership.end()                                                  # stops them and leaves
 
-Session.from_job_service does all of this for the session's lifetime.
+Session.from_job_service does all of this for the session's lifetime. The join secret only joins;
+heartbeats and the leave also carry the member token the Join returned (``Assignment.token``), so
+a worker acts for its own place in its own job only (docs/CONTROLLER.md, Who may do what).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ def describe(service: str, secret: str, timeout: float = 10.0) -> int:
 
 
 def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> bool:
-    """Leaves the job; True when this was the last worker and the job's slots were freed."""
+    """Leaves the job (with ``assignment.token``); True when this was the last worker and the
+    job's slots were freed."""
     request = jobs_pb2.LeaveRequest(
         secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
     )
@@ -173,7 +176,8 @@ def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10
 
 
 def heartbeat(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> int:
-    """Tells the service this worker is alive; returns the job's current generation."""
+    """Tells the service this worker is alive (with ``assignment.token``); returns the job's
+    current generation."""
     request = jobs_pb2.HeartbeatRequest(
         secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
     )

@@ -302,6 +302,16 @@ USER_TERMS = {
 }
 
 
+@pytest.mark.reliability(
+    "torch calls that differ",
+    "rank 1's user call differs from its 2 peers' where the wire's chunk calls agree: a bfloat16 tensor "
+    "staged as 2 chunks against 2 float32 calls of one chunk, float16 against float32, AVG against SUM, a "
+    "coalesced list against one tensor, the DDP hook on bfloat16 against float32; 1 and 3 lanes, loopback",
+    sums=0,
+    outcome="failed cleanly: every rank raises SwitchaggMismatch naming each rank's call (op, dtype, lengths)",
+    recovery="none needed: the call's tag differs on the wire, so the first round is poisoned",
+    state="the group's sessions broken (a new process group recovers)",
+)
 @pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.parametrize("case", sorted(USER_TERMS))
 def test_calls_that_differ_in_the_users_terms_fail_on_every_rank(

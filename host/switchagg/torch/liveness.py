@@ -311,10 +311,10 @@ class PeerWatch:
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, -1)
-        for r, sock in self._conns.items():
-            sel.register(sock, selectors.EVENT_READ, r)
         try:
+            sel.register(self._wake_r, selectors.EVENT_READ, -1)
+            for r, sock in self._conns.items():
+                sel.register(sock, selectors.EVENT_READ, r)
             while not self._closed:
                 timeout = None
                 with self._lock:

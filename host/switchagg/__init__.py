@@ -4,6 +4,7 @@ from importlib import metadata as _metadata
 
 from switchagg import protocol
 from switchagg.errors import SwitchaggError, SwitchaggTimeout
+from switchagg.keys import UNKEYED
 from switchagg.session import Session
 
 try:
@@ -11,4 +12,4 @@ try:
 except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["Session", "SwitchaggError", "SwitchaggTimeout", "__version__", "protocol"]
+__all__ = ["UNKEYED", "Session", "SwitchaggError", "SwitchaggTimeout", "__version__", "protocol"]

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from switchagg_lab.testing.kit import free_port  # noqa: E402
+from switchagg_lab.testing.reliability import Reliability  # noqa: E402
 from switchagg_lab.testing.torch_launch import HANG_GUARD, finish, launch, read  # noqa: E402
 
 
@@ -258,7 +259,15 @@ def _wait_for_files(procs: list[Any], paths: list[Path], what: str) -> None:
         time.sleep(0.02)
 
 
-def test_killed_peer_mid_call_is_reported_at_once(tmp_path: Path) -> None:
+@pytest.mark.reliability(
+    "worker killed",
+    "torch backend and hook: 1 of 3 ranks SIGKILLed while the others are in an allreduce, the group's "
+    "timeout 30 min, SWITCHAGG_TIMEOUT 10 s, loopback",
+    sums=0,
+    outcome="failed cleanly: the 2 others raise naming the killed rank, nothing written",
+    state="the group failed: every later call on it (and a DDP step, a hook bucket) raises at once",
+)
+def test_killed_peer_mid_call_is_reported_at_once(tmp_path: Path, reliability: Reliability) -> None:
     """The group's timeout is 30 minutes and SWITCHAGG_TIMEOUT 10 s: a rank SIGKILLed while the
     others are in an allreduce is reported by its number as soon as its liveness connection ends
     (docs/TORCH.md, Slow peers, gone peers), on the backend's group and on a hook state's."""
@@ -289,9 +298,20 @@ def test_killed_peer_mid_call_is_reported_at_once(tmp_path: Path) -> None:
         assert r["hook_error"] is not None and f"rank {n - 1} is gone" in r["hook_message"], r
         print(f"rank {rank}: the hook's bucket failed after {r['hook_seconds']:.2f} s")
         assert r["hook_seconds"] < 10
+    slowest = max(read(tmp_path, rank)["failed_at"] for rank in range(n - 1)) - killed_at
+    reliability.record(recovery_s=slowest, recovery="the liveness connection's end, plus a 0.5 s grace")
 
 
 @pytest.mark.parametrize(("stall", "victim"), [("sigstop", 0), ("sigstop", 2), ("gil", 0), ("gil", 2)])
+@pytest.mark.reliability(
+    "worker stalled",
+    "torch backend: rank {victim} of 3 stalled 6 s ({stall}: SIGSTOP, or one C call holding the GIL) while "
+    "the others are in an allreduce, SWITCHAGG_TIMEOUT 2 s, the group's timeout 30 s, loopback",
+    sums=3,
+    outcome="exact",
+    recovery="none needed: the others wait out the stall, as on gloo",
+    state="nothing: the group goes on",
+)
 def test_stalled_peer_is_waited_for(tmp_path: Path, stall: str, victim: int) -> None:
     """A live rank stalled for 6 s (SIGSTOP, or one C call that keeps the GIL), with SWITCHAGG_TIMEOUT
     2 s and the group's timeout 30 s, while the others are in an allreduce: as on gloo, every rank's

@@ -305,7 +305,7 @@ def test_killed_peer_mid_call_is_reported_at_once(tmp_path: Path, reliability: R
 @pytest.mark.parametrize(("stall", "victim"), [("sigstop", 0), ("sigstop", 2), ("gil", 0), ("gil", 2)])
 @pytest.mark.reliability(
     "worker stalled",
-    "torch backend: rank {victim} of 3 stalled 6 s ({stall}: SIGSTOP, or one C call holding the GIL) while "
+    "torch backend: rank {victim} of 3 stalled 6 s by {stall} (SIGSTOP, or one C call keeping the GIL) while "
     "the others are in an allreduce, SWITCHAGG_TIMEOUT 2 s, the group's timeout 30 s, loopback",
     sums=3,
     outcome="exact",

@@ -144,10 +144,38 @@ def test_a_closed_rank_fails_nothing_while_idle_but_fails_a_later_call() -> None
         watches[2].close()
         time.sleep(1.0)  # longer than the grace: an idle group is never failed
         assert reasons == [[], [], []]
-        call = in_flight(watches[1])  # a call now cannot complete: it fails at once
+        call = in_flight(watches[1])  # a call rank 2 never made cannot complete: it fails at once
         assert wait_until(lambda: bool(reasons[1]), 5)
-        assert reasons[1] == ["rank 2 closed its switchagg process group"]
+        assert reasons[1] == [
+            "rank 2 closed its switchagg process group after 0 network calls (this is call 1)"
+        ]
         call.set_result(None)
+    finally:
+        for w in watches:
+            w.close()
+
+
+def test_a_call_the_closed_rank_made_is_left_to_complete() -> None:
+    """Rank 1 made two calls and closed (its results were in); rank 0, slower, still has the second
+    in flight: that one can complete (the aggregator holds its sum), so nothing fires for it, even
+    after the grace; a third call, which rank 1 never made, fails at once."""
+    watches, reasons = connect_all(2)
+    try:
+        for _ in range(2):
+            in_flight(watches[1]).set_result(None)
+        first = in_flight(watches[0])
+        first.set_result(None)
+        second = in_flight(watches[0])
+        watches[1].close()
+        time.sleep(watches[0].grace * 3)
+        assert reasons[0] == []
+        second.set_result(None)
+        third = in_flight(watches[0])
+        assert wait_until(lambda: bool(reasons[0]), 5)
+        assert reasons[0] == [
+            "rank 1 closed its switchagg process group after 2 network calls (this is call 3)"
+        ]
+        third.set_result(None)
     finally:
         for w in watches:
             w.close()
@@ -201,3 +229,18 @@ def test_the_embedded_key_is_not_in_the_store() -> None:
         for plane, watch in opened:
             watch.close()
             plane.close()
+
+
+def test_the_kernel_watches_a_vanished_host() -> None:
+    """A host that stops answering without a reset is the kernel's to find: keepalive probes from
+    SWITCHAGG_TIMEOUT/2 and TCP_USER_TIMEOUT of SWITCHAGG_TIMEOUT on every liveness connection."""
+    watches, _ = connect_all(2, gone_after=8.0)
+    try:
+        for w in watches:
+            for sock in w._conns.values():
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 4
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
+    finally:
+        for w in watches:
+            w.close()

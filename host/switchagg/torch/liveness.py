@@ -4,7 +4,8 @@ lives (stopped, swapped or holding the GIL) and closed or reset by it the moment
 
 The group is a star: rank 0 listens, every other rank connects to it once, and rank 0 relays what it
 sees of one rank to the others. A rank whose connection ends without a goodbye is gone; one that said
-goodbye (``close()``) closed its group. TCP keepalive and TCP_USER_TIMEOUT, both set from
+goodbye (``close()``, which carries how many network calls it made) closed its group: a call it
+made too is left to complete, a later one fails. TCP keepalive and TCP_USER_TIMEOUT, both set from
 SWITCHAGG_TIMEOUT, end the connection of a host that vanished without a reset; all of this is the
 kernel's, needing no GIL. The reading thread blocks in ``select``: if this process is stalled it acts
 when it resumes. A reason ends the network calls in flight through ``on_gone(reason)``, after a short
@@ -115,10 +116,12 @@ class PeerWatch:
         self._buffers: dict[int, bytes] = {}
         self._said_closed: set[int] = set()
         self._wake_r, self._wake_w = socket.socketpair()
-        self._in_flight = 0
         self._lock = threading.Lock()
-        self._reason = ""
-        self._reason_at = 0.0
+        self._calls = 0  # network calls tracked so far: the same sequence on every rank
+        self._pending: set[int] = set()  # the indices of those in flight
+        self._gone = ""  # why a peer is gone, and since when
+        self._gone_at = 0.0
+        self._closed_after: dict[int, int] = {}  # a rank that said goodbye: how many calls it made
         self._fired = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -189,7 +192,8 @@ class PeerWatch:
                 missing = sorted(set(want.values()) - set(self._conns))
                 raise RuntimeError(
                     f"no liveness connection from ranks {missing} within {CONNECT_TIMEOUT:g} s "
-                    f"({strays} connections from other addresses refused)"
+                    f"({strays} connections from other addresses refused: a NAT between the ranks "
+                    "hides the address each rank published)"
                 )
             listener.settimeout(remaining)
             sock, peer = listener.accept()
@@ -217,20 +221,22 @@ class PeerWatch:
     def track(self, pending: Any) -> None:
         """A network call is in flight until ``pending`` (a concurrent.futures.Future) is done."""
         with self._lock:
-            self._in_flight += 1
-            wake = bool(self._reason)
-        if wake:  # a peer is already gone: the watcher fails this call at once
+            index = self._calls
+            self._calls += 1
+            self._pending.add(index)
+            wake = bool(self._gone or self._closed_after)
+        if wake:  # a peer is gone or closed already: the watcher judges this call at once
             self._wake()
-        pending.add_done_callback(self._done)
+        pending.add_done_callback(lambda _: self._done(index))
 
-    def _done(self, _: Any) -> None:
+    def _done(self, index: int) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._pending.discard(index)
 
     @property
     def busy(self) -> bool:
         with self._lock:
-            return self._in_flight > 0
+            return bool(self._pending)
 
     def _wake(self) -> None:
         try:
@@ -239,15 +245,18 @@ class PeerWatch:
             pass
 
     def close(self) -> None:
-        """Says goodbye (the peers read ``closed``, not ``gone``) and stops watching."""
+        """Says goodbye with the number of calls this rank made (the peers read ``closed``, not
+        ``gone``, and fail only a call beyond that number) and stops watching."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            line = CLOSED + b" %d %d\n" % (self.rank, self._calls)
         for sock in list(self._conns.values()):
             try:
                 sock.setblocking(True)
                 sock.settimeout(1.0)
-                sock.sendall(CLOSED + b" %d\n" % self.rank)
+                sock.sendall(line)
             except OSError:
                 pass
         self._wake()
@@ -263,16 +272,15 @@ class PeerWatch:
                 pass
         self._conns = {}
 
-    def _note(self, reason: str) -> None:
+    def _note_gone(self, reason: str) -> None:
         with self._lock:
-            if not self._reason:
-                self._reason, self._reason_at = reason, time.monotonic()
-                log.info("switchagg: rank %d: %s", self.rank, reason)
+            if not self._gone:
+                self._gone, self._gone_at = reason, time.monotonic()
+        log.info("switchagg: rank %d: %s", self.rank, reason)
 
-    def _relay(self, what: bytes, about: int) -> None:
+    def _relay(self, line: bytes, about: int) -> None:
         """Rank 0 tells the other ranks what it saw of rank ``about`` (best effort: non-blocking,
         one short line into an all but empty socket buffer)."""
-        line = what + b" %d\n" % about
         for r, sock in self._conns.items():
             if r != about:
                 try:
@@ -291,23 +299,30 @@ class PeerWatch:
             )
         else:
             how = "its process ended (its liveness connection closed without a goodbye)"
-        self._note(f"rank {r} is gone: {how}")
+        self._note_gone(f"rank {r} is gone: {how}")
         if self.rank == 0:
-            self._relay(GONE, r)
+            self._relay(GONE + b" %d\n" % r, r)
 
     def _line(self, r: int, line: bytes) -> None:
-        what, _, who = line.partition(b" ")
-        if not who.isdigit():
+        """``closed R CALLS`` (from R itself, or relayed by rank 0) or ``gone R`` (relayed)."""
+        words = line.split()
+        if len(words) < 2 or not all(w.isdigit() for w in words[1:3]):
             return
-        about = int(who)
-        if what == CLOSED:
+        about = int(words[1])
+        if words[0] == CLOSED and len(words) == 3:
             if about == r:
                 self._said_closed.add(r)
-            self._note(f"rank {about} closed its switchagg process group")
+            with self._lock:
+                self._closed_after.setdefault(about, int(words[2]))
+            log.info(
+                "switchagg: rank %d: rank %d closed its group after %d calls", self.rank, about, int(words[2])
+            )
             if self.rank == 0 and about == r:
-                self._relay(CLOSED, r)
-        elif what == GONE and self.rank != 0:
-            self._note(f"rank {about} is gone: its process ended (rank 0 saw its liveness connection end)")
+                self._relay(line + b"\n", r)
+        elif words[0] == GONE and self.rank != 0:
+            self._note_gone(
+                f"rank {about} is gone: its process ended (rank 0 saw its liveness connection end)"
+            )
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -318,8 +333,8 @@ class PeerWatch:
             while not self._closed:
                 timeout = None
                 with self._lock:
-                    if self._reason and not self._fired and self._in_flight:
-                        timeout = max(0.0, self._reason_at + self.grace - time.monotonic())
+                    if self._gone and not self._fired and self._pending:
+                        timeout = max(0.0, self._gone_at + self.grace - time.monotonic())
                 for key, _ in sel.select(timeout):
                     r = key.data
                     if r == -1:
@@ -353,17 +368,26 @@ class PeerWatch:
         sel.unregister(sock)
         self._ended(r, error)
 
+    def _due(self) -> str:
+        """Why the calls in flight cannot complete, or "" (called with the lock held)."""
+        if self._fired or not self._pending:
+            return ""
+        if self._gone and time.monotonic() >= self._gone_at + self.grace:
+            return self._gone
+        last = max(self._pending)
+        for r, calls in sorted(self._closed_after.items()):
+            if last >= calls:  # a call that rank never made: it cannot complete
+                return (
+                    f"rank {r} closed its switchagg process group after {calls} network calls "
+                    f"(this is call {last + 1})"
+                )
+        return ""
+
     def _maybe_fire(self) -> None:
         with self._lock:
-            due = (
-                self._reason
-                and not self._fired
-                and self._in_flight > 0
-                and time.monotonic() >= self._reason_at + self.grace
-            )
-            if due:
+            reason = self._due()
+            if reason:
                 self._fired = True
-            reason = self._reason
-        if due:
+        if reason:
             log.warning("switchagg: rank %d gives up its network calls: %s", self.rank, reason)
             self._on_gone(reason)

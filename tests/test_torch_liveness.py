@@ -60,6 +60,10 @@ class RankExchange:
         pass
 
 
+def loopback() -> str:
+    return "127.0.0.1"
+
+
 def connect_all(
     size: int, gone_after: float = 5.0, after: Any = None
 ) -> tuple[list[PeerWatch], list[list[str]]]:
@@ -67,7 +71,7 @@ def connect_all(
     reasons: list[list[str]] = [[] for _ in range(size)]
     watches = [PeerWatch(r, size, gone_after, reasons[r].append) for r in range(size)]
     with concurrent.futures.ThreadPoolExecutor(size) as pool:
-        list(pool.map(lambda r: watches[r].connect(RankExchange(shared, r), "127.0.0.1"), range(size)))
+        list(pool.map(lambda r: watches[r].connect(RankExchange(shared, r), loopback), range(size)))
     for w in watches:
         w.start()
     return watches, reasons

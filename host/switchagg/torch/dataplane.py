@@ -387,7 +387,7 @@ def open_data_plane(
     own_watch = watch is None
     if watch is None:
         watch = PeerWatch(rank, world_size, gone_after, lambda _: None)
-    watch.connect(exchange, listen_address())
+    watch.connect(exchange, listen_address)
     try:
         if not service:
             key = derive_key(watch.secret, f"result key {group_tag}")

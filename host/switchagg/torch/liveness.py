@@ -129,8 +129,8 @@ class PeerWatch:
 
     # Start-up (collective).
 
-    def connect(self, exchange: Any, bind: str) -> None:
-        """Rank 0 listens on ``bind``. Three rounds of ``exchange`` (dataplane.Exchange): rank 0's
+    def connect(self, exchange: Any, bind: Callable[[], str]) -> None:
+        """Rank 0 listens on ``bind()``. Three rounds of ``exchange`` (dataplane.Exchange): rank 0's
         listening address; every other rank's source address, published once it is connected;
         whether every rank got the secret. Any rank's failure fails every rank, naming it."""
         from switchagg.torch.dataplane import FAILED_MARK, _gathered, check_reachable, network_identity
@@ -139,11 +139,13 @@ class PeerWatch:
         try:
             mine = "-"
             if self.rank == 0:
+                where = "its address"
                 try:
-                    listener = socket.create_server((bind, 0), backlog=max(16, self.size))
+                    where = bind()
+                    listener = socket.create_server((where, 0), backlog=max(16, self.size))
                     mine = "{}:{} {}".format(*listener.getsockname()[:2], network_identity())
-                except OSError as e:
-                    mine = f"{FAILED_MARK}rank 0 cannot listen on {bind} for the liveness connections: {e}"
+                except (OSError, ValueError) as e:
+                    mine = f"{FAILED_MARK}rank 0 cannot listen on {where} for the liveness connections: {e}"
             root, _, network = _gathered(exchange, mine, "open their liveness connections")[0].partition(" ")
             mine = "-"
             if self.rank != 0:

@@ -2,17 +2,21 @@
 
 switchagg-aggregator --port 48879 --job 7:2:0:32:8192@127.0.0.1:5000,127.0.0.1:5001 --stats-interval 5
 
+A job without KEY gets a random result key, printed (``job 7 result key: 0x...``) for the workers'
+``Session(key=...)``; KEY ``unkeyed`` runs it without one, with a warning (docs/PROTOCOL.md, Security).
+
 Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
 address and its results go only there (docs/PROTOCOL.md, Security). ``--threads N`` serves the
 port with N threads (default: the CPUs the process may use), each owning the slots congruent to
 its index; the workers are unchanged.
 
 Two levels (docs/PROTOCOL.md, Two levels): a leaf names its local ranks and ``-`` for the others,
-and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are the leaves:
+and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are the leaves; every
+node of a job is given its one key:
 
-switchagg-aggregator --port 6001 --job 7:4:0:32:8192@127.0.0.1:5000,127.0.0.1:5001,-,-
+switchagg-aggregator --port 6001 --job 7:4:0:32:8192:1:0x5ec12e7@127.0.0.1:5000,127.0.0.1:5001,-,-
     --leaf 7:0@127.0.0.1:6000
-switchagg-aggregator --port 6000 --job 7:2:0:32:8192@127.0.0.1:6001,127.0.0.1:6002
+switchagg-aggregator --port 6000 --job 7:2:0:32:8192:1:0x5ec12e7@127.0.0.1:6001,127.0.0.1:6002
 
 A controller installs jobs itself through the control service (switchagg.aggregator_control):
 

@@ -116,6 +116,7 @@ class PeerWatch:
         self._buffers: dict[int, bytes] = {}
         self._said_closed: set[int] = set()
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)  # a full pipe already wakes the watcher: never block a caller
         self._lock = threading.Lock()
         self._calls = 0  # network calls tracked so far: the same sequence on every rank
         self._pending: set[int] = set()  # the indices of those in flight
@@ -226,7 +227,7 @@ class PeerWatch:
             index = self._calls
             self._calls += 1
             self._pending.add(index)
-            wake = bool(self._gone or self._closed_after)
+            wake = bool(self._gone or self._closed_after) and not self._fired
         if wake:  # a peer is gone or closed already: the watcher judges this call at once
             self._wake()
         pending.add_done_callback(lambda _: self._done(index))

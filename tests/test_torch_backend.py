@@ -293,8 +293,9 @@ def test_killed_peer_mid_call_is_reported_at_once(tmp_path: Path, reliability: R
         assert after < 10  # the old heartbeat took SWITCHAGG_TIMEOUT (10 s) plus a beat
         # A DDP step afterwards raises in backward(), with the error itself (it once crashed the process).
         assert r["ddp_error"] == "SwitchaggPeerGone" and r["ddp_message"], r
-        # The hook's own watch saw the death too: its bucket fails at once, naming the rank.
-        assert r["hook_error"] == "SwitchaggPeerGone" and f"rank {n - 1} is gone" in r["hook_message"], r
+        # The hook's own watch saw the death too: its bucket fails at once, naming the rank (DDP's
+        # reducer raises a hook's failed future as a RuntimeError with its message).
+        assert r["hook_error"] is not None and f"rank {n - 1} is gone" in r["hook_message"], r
         print(f"rank {rank}: the hook's bucket failed after {r['hook_seconds']:.2f} s")
         assert r["hook_seconds"] < 10
     slowest = max(read(tmp_path, rank)["failed_at"] for rank in range(n - 1)) - killed_at

@@ -21,6 +21,7 @@ import pytest
 from switchagg import _core
 from switchagg.aggregator import SoftwareAggregator, format_counters
 from switchagg.aggregator_cli import parse_job, parse_leaf
+from switchagg.keys import UNKEYED
 from switchagg.protocol import (
     DROP_REASONS,
     EXP_NONE,
@@ -351,13 +352,18 @@ def test_jobs_can_change_while_serving(agg: SoftwareAggregator, socks: list[sock
 
 def test_parse_job() -> None:
     two = [("127.0.0.1", 5000), ("10.0.0.2", 6000)]
-    assert parse_job("7:2:0:32:8192@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 8192, 1, two, 0)
-    assert parse_job("7:2:0:32:64:5@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 64, 5, two, 0)
-    # The result key: decimal or hex, 32 bits.
+    # No KEY: None, main draws a random one and prints it.
+    assert parse_job("7:2:0:32:8192@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 8192, 1, two, None)
+    assert parse_job("7:2:0:32:64:5@127.0.0.1:5000,10.0.0.2:6000") == (7, 2, 0, 32, 64, 5, two, None)
+    # The result key: decimal or hex, 32 bits, non-zero; "unkeyed" by name only.
     assert parse_job("7:2:0:32:64:5:0xdeadbeef@127.0.0.1:5000,10.0.0.2:6000")[-1] == 0xDEADBEEF
     assert parse_job("7:2:0:32:64:5:4294967295@127.0.0.1:5000,10.0.0.2:6000")[-1] == 2**32 - 1
-    with pytest.raises(Exception, match="not a 32-bit unsigned number"):
-        parse_job("7:2:0:32:64:5:4294967296@127.0.0.1:5000,10.0.0.2:6000")
+    assert parse_job("7:2:0:32:64:5:unkeyed@127.0.0.1:5000,10.0.0.2:6000")[-1] == UNKEYED
+    for bad in ("4294967296", "0", "0x0"):
+        with pytest.raises(Exception, match="not a non-zero 32-bit unsigned number.*'unkeyed'"):
+            parse_job(f"7:2:0:32:64:5:{bad}@127.0.0.1:5000,10.0.0.2:6000")
+    with pytest.raises(Exception, match="is not a number"):
+        parse_job("7:2:0:32:64:5:none@127.0.0.1:5000,10.0.0.2:6000")
     with pytest.raises(Exception, match="ID:N:BASE:COUNT:K"):
         parse_job("7:2:0:32:64:5:1:2@127.0.0.1:5000,10.0.0.2:6000")
     with pytest.raises(Exception, match="names no rank addresses"):
@@ -374,7 +380,7 @@ def test_parse_job() -> None:
 
 def test_parse_leaf_and_ranks_behind_other_leaves() -> None:
     assert parse_job("7:3:0:4:64@127.0.0.1:5000,-,10.0.0.2:6000") == (
-        7, 3, 0, 4, 64, 1, [("127.0.0.1", 5000), None, ("10.0.0.2", 6000)], 0,
+        7, 3, 0, 4, 64, 1, [("127.0.0.1", 5000), None, ("10.0.0.2", 6000)], None,
     )  # fmt: skip
     assert parse_leaf("7:2@10.0.0.9:48879") == (7, 2, ("10.0.0.9", 48879))
     for bad in ("7@10.0.0.9:1", "7:x@10.0.0.9:1", "7:1", "7:1@10.0.0.9"):
@@ -408,10 +414,10 @@ def test_a_hierarchy_of_two_leaves_and_a_spine_sums_exactly(socks: list[socket.s
     spine, leaf0, leaf1 = (SoftwareAggregator(threads=threads) for _ in range(3))
     with spine, leaf0, leaf1:
         addrs = [s.getsockname() for s in socks]
-        spine.add_job(5, 2, 8, 2, k, 1, [leaf0.address, leaf1.address])
+        key = spine.add_job(5, 2, 8, 2, k, 1, [leaf0.address, leaf1.address])  # one key on every node
         up = spine.address
-        leaf0.add_job(5, 4, 8, 2, k, 1, [addrs[0], addrs[1], None, None], upstream=up)
-        leaf1.add_job(5, 4, 8, 2, k, 1, [None, None, addrs[2], addrs[3]], upstream=up, leaf_index=1)
+        leaf0.add_job(5, 4, 8, 2, k, 1, [addrs[0], addrs[1], None, None], upstream=up, key=key)
+        leaf1.add_job(5, 4, 8, 2, k, 1, [None, None, addrs[2], addrs[3]], upstream=up, leaf_index=1, key=key)
         leaves = [leaf0, leaf0, leaf1, leaf1]
         for r, s in enumerate(socks):
             s.sendto(data(5, r, 9, [2**30 + r * e for e in range(k)], exp=r - 2), leaves[r].address)
@@ -515,11 +521,16 @@ def test_cli_serves_a_job_and_exits_on_sigint(socks: list[socket.socket]) -> Non
             first = _readline(proc)
             assert "listening on 127.0.0.1:" in first and "9 (n=2, slots 10..13, K=32)" in first
             port = int(first.split("127.0.0.1:")[1].split(";")[0])
+            # No KEY in the spec: a random one, printed for the workers, is in every RESULT.
+            said = _readline(proc)
+            assert said.startswith("job 9 result key: 0x"), said
+            key = int(said.split(": ")[1], 16)
+            assert key != UNKEYED
             socks[0].sendto(data(9, 0, 12, list(range(32))), ("127.0.0.1", port))
             socks[1].sendto(data(9, 1, 12, [-1] * 32), ("127.0.0.1", port))
             for r in range(2):
                 h = Header.unpack(socks[r].recv(65536))
-                assert (h.rank, h.values) == (r, [v - 1 for v in range(32)])
+                assert (h.rank, h.values, h.key) == (r, [v - 1 for v in range(32)], key)
             while "rx 2" not in _readline(proc):  # the periodic table catches up with the traffic
                 pass
             proc.send_signal(signal.SIGINT)
@@ -541,3 +552,52 @@ class _Fixed:
 
     def collect(self) -> list[Any]:
         return self.families
+
+
+def test_cli_unkeyed_only_by_name_and_with_a_warning(socks: list[socket.socket]) -> None:
+    addrs = ",".join("{}:{}".format(*s.getsockname()) for s in socks[:2])
+    cmd = [
+        sys.executable,
+        "-m",
+        "switchagg.aggregator_cli",
+        "--port",
+        "0",
+        "--job",
+        f"9:2:10:4:32:3:0@{addrs}",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S)
+    assert out.returncode == 2 and "'unkeyed' runs the job without one" in out.stderr, out.stderr
+    cmd[-1] = f"9:2:10:4:32:3:unkeyed@{addrs}"
+    cmd += ["--stats-interval", "0.05"]  # lines keep coming: _readline's select sees the pipe move
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            _readline(proc)
+            assert _readline(proc).strip() == "job 9 result key: unkeyed"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "warning: job 9 is unkeyed" in err, err
+
+
+def test_add_job_draws_a_key_unless_told_and_warns_when_unkeyed() -> None:
+    with SoftwareAggregator("127.0.0.1", 0) as agg:
+        key = agg.add_job(1, 1, 0, 4, 8, 1, [("127.0.0.1", 5000)])
+        assert key != UNKEYED and agg.jobs()[1].key == key
+        assert agg.add_job(2, 1, 4, 4, 8, 1, [("127.0.0.1", 5001)], key=77) == 77
+        with pytest.warns(RuntimeWarning, match="job 3 is unkeyed"):
+            assert agg.add_job(3, 1, 8, 4, 8, 1, [("127.0.0.1", 5002)], key=UNKEYED) == UNKEYED
+
+
+def test_a_session_needs_a_key_or_opts_out_by_name() -> None:
+    from switchagg import Session
+
+    with pytest.raises(ValueError, match="Session needs key="):
+        Session(1, 0, 1, ("127.0.0.1", 9))
+    with (
+        pytest.warns(RuntimeWarning, match="job 1 is unkeyed"),
+        Session(1, 0, 1, ("127.0.0.1", 9), key=UNKEYED),
+    ):
+        pass

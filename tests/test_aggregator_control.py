@@ -19,6 +19,7 @@ from switchagg_lab.testing.control import ControlledAggregator
 from switchagg_lab.testing.local import run_job
 
 SECRET = "control-test-secret"
+KEY = 0x1234ABCD  # the jobs' result key
 
 
 @pytest.fixture
@@ -51,9 +52,9 @@ def test_a_wrong_secret_changes_nothing(aggregator: ControlledAggregator) -> Non
     addrs = [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
     remote, foe = RemoteAggregator(aggregator.target, SECRET), RemoteAggregator(aggregator.target, "guess")
     with remote, foe:
-        remote.add_job(7, 2, 0, 8, 16, 1, addrs)
+        remote.add_job(7, 2, 0, 8, 16, 1, addrs, key=KEY)
         for call in (
-            lambda: foe.add_job(8, 2, 8, 8, 16, 1, [("127.0.0.1", 6000), ("127.0.0.1", 6001)]),
+            lambda: foe.add_job(8, 2, 8, 8, 16, 1, [("127.0.0.1", 6000), ("127.0.0.1", 6001)], key=KEY),
             lambda: foe.remove_job(7),
             foe.jobs,
             foe.counters,
@@ -68,15 +69,17 @@ def test_a_wrong_secret_changes_nothing(aggregator: ControlledAggregator) -> Non
 def test_a_refused_job_leaves_what_was_installed(aggregator: ControlledAggregator) -> None:
     a = [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
     with RemoteAggregator(aggregator.target, SECRET) as remote:
-        assert remote.add_job(7, 2, 0, 8, 16, 1, a) is False
+        assert remote.add_job(7, 2, 0, 8, 16, 1, a, key=KEY) is False
         with pytest.raises(ControlError, match="overlap|slot") as e:
-            remote.add_job(9, 2, 4, 8, 16, 1, [("127.0.0.1", 6000), ("127.0.0.1", 6001)])  # slots 4..11
+            remote.add_job(
+                9, 2, 4, 8, 16, 1, [("127.0.0.1", 6000), ("127.0.0.1", 6001)], key=KEY
+            )  # slots 4..11
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(ControlError, match="same address"):
-            remote.add_job(7, 2, 0, 8, 16, 2, [a[0], a[0]])  # a bad replacement of job 7
+            remote.add_job(7, 2, 0, 8, 16, 2, [a[0], a[0]], key=KEY)  # a bad replacement of job 7
         jobs = remote.jobs()
         assert set(jobs) == {7} and (jobs[7].slot_base, jobs[7].slot_count) == (0, 8)
-        assert remote.add_job(7, 2, 0, 8, 16, 2, a) is True  # a good one replaces it
+        assert remote.add_job(7, 2, 0, 8, 16, 2, a, key=KEY) is True  # a good one replaces it
 
 
 def _info_within(remote: RemoteAggregator, seconds: float) -> pb.InfoReply:
@@ -93,7 +96,7 @@ def _info_within(remote: RemoteAggregator, seconds: float) -> pb.InfoReply:
 
 def test_a_restart_shows_as_a_new_boot_id_with_no_jobs(tmp_path: Path) -> None:
     with ControlledAggregator(tmp_path, "agg", SECRET) as agg, RemoteAggregator(agg.target, SECRET) as remote:
-        remote.add_job(3, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("127.0.0.1", 5001)])
+        remote.add_job(3, 2, 0, 4, 8, 1, [("127.0.0.1", 5000), ("127.0.0.1", 5001)], key=KEY)
         first, address = agg.boot_id, agg.address
         agg.kill()
         with pytest.raises(ControlError) as e:

@@ -136,8 +136,8 @@ def test_torch_tensors_are_reduced_in_place(aggregator: SoftwareAggregator) -> N
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from switchagg import Session
 
-    with Session(3, 0, 1, aggregator.address, 0, 4, 64, timeout=5) as s:
-        aggregator.add_job(3, 1, 0, 4, 64, 1, [s.local_address])
+    with Session(3, 0, 1, aggregator.address, 0, 4, 64, timeout=5, key=33) as s:
+        aggregator.add_job(3, 1, 0, 4, 64, 1, [s.local_address], key=33)
         t = torch.arange(1000, dtype=torch.int32)
         ptr = t.data_ptr()
         s.allreduce(t)
@@ -157,10 +157,12 @@ def test_a_small_receive_buffer_shrinks_the_window_instead_of_losing_results(
 
     n, slots, k = 2, 16, protocol.DEFAULT_SW_K
     with pytest.warns(RuntimeWarning, match="too small for the results of 16 slots"):
-        sessions = [Session(1, r, n, aggregator.address, 0, slots, k, rcvbuf=200_000) for r in range(n)]
+        sessions = [
+            Session(1, r, n, aggregator.address, 0, slots, k, rcvbuf=200_000, key=9) for r in range(n)
+        ]
     try:
         assert all(1 <= s.window < slots for s in sessions)
-        aggregator.add_job(1, n, 0, slots, k, 1, [s.local_address for s in sessions])
+        aggregator.add_job(1, n, 0, slots, k, 1, [s.local_address for s in sessions], key=9)
         xs = [inputs(1, r, 40 * k + 3, "int32", 5) for r in range(n)]
         want = np.sum([x.astype(np.int64) for x in xs], axis=0).astype(np.int32)
         futures = [s.allreduce_async(x) for s, x in zip(sessions, xs, strict=True)]

@@ -184,7 +184,9 @@ async def test_reconcile_makes_a_node_hold_exactly_its_part(tmp_path: Path) -> N
         await plane.install(rack0_only)
         rack1 = handles[2]
         assert set(rack1.jobs()) == {5}
-        rack1.add_job(9, 2, 100, 4, 8, 1, [("127.0.2.8", 5000), ("127.0.2.9", 5001)])  # removed meanwhile
+        rack1.add_job(
+            9, 2, 100, 4, 8, 1, [("127.0.2.8", 5000), ("127.0.2.9", 5001)], key=9
+        )  # removed meanwhile
         assert plane.reconcile(2, [job, rack0_only]) == (0, 1)
         assert set(rack1.jobs()) == {5}
         rack1.remove_job(5)  # lost (e.g. the node restarted)

@@ -54,7 +54,7 @@ def aggregator_cli(request: pytest.FixtureRequest) -> Iterator[Any]:
     def start(workers: list[_core.Worker], *extra: str) -> tuple[int, tuple[str, int]]:
         addrs = ",".join("{}:{}".format(*w.address) for w in workers)
         cmd = [sys.executable, "-m", "switchagg.aggregator_cli", "--port", "0", "--metrics-port", "0"]
-        cmd += ["--job", f"5:{len(workers)}:100:8:{K}@{addrs}", "--job-name", "5=resnet", *extra]
+        cmd += ["--job", f"5:{len(workers)}:100:8:{K}:1:{KEY}@{addrs}", "--job-name", "5=resnet", *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         procs.append(proc)
@@ -78,6 +78,7 @@ def aggregator_cli(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 K, N, SIZE = 1024, 2, 200_000  # 196 chunks per allreduce
+KEY = 0x5A5A0001  # the jobs' result key
 CHUNKS = -(-SIZE // K)
 
 
@@ -179,7 +180,9 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
     workers = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
     port, agg_metrics = aggregator_cli(workers, "--drop-in", "0.05", "--seed", "3")
     sessions = [
-        Session(5, r, N, ("127.0.0.1", port), 100, 8, K, timeout=20, rto=0.02, metrics_port=0, _worker=w)
+        Session(
+            5, r, N, ("127.0.0.1", port), 100, 8, K, timeout=20, rto=0.02, metrics_port=0, key=KEY, _worker=w
+        )
         for r, w in enumerate(workers)
     ]
     try:
@@ -211,8 +214,10 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
 def test_a_timed_out_allreduce_is_counted() -> None:
     with SoftwareAggregator("127.0.0.1", 0) as agg:
         worker = _core.Worker("127.0.0.1", 0)
-        agg.add_job(6, 2, 0, 2, 64, 1, [worker.address, ("127.0.0.1", 9)])  # rank 1 never comes
-        with Session(6, 0, 2, agg.address, 0, 2, 64, timeout=0.3, metrics_port=0, _worker=worker) as s:
+        key = agg.add_job(6, 2, 0, 2, 64, 1, [worker.address, ("127.0.0.1", 9)])  # rank 1 never comes
+        with Session(
+            6, 0, 2, agg.address, 0, 2, 64, timeout=0.3, metrics_port=0, key=key, _worker=worker
+        ) as s:
             assert s.metrics_address is not None
             with pytest.raises(SwitchaggTimeout):
                 s.allreduce(np.zeros(100, np.int32))
@@ -227,7 +232,7 @@ def test_the_environment_turns_worker_metrics_on(monkeypatch: pytest.MonkeyPatch
     base = free_port() - 1
     monkeypatch.setenv("SWITCHAGG_METRICS_PORT", str(base))
     monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second rank on this host: base + 1
-    with Session(7, 1, 2, ("127.0.0.1", 9)) as s:
+    with Session(7, 1, 2, ("127.0.0.1", 9), key=KEY) as s:
         assert s.metrics_address == ("127.0.0.1", base + 1)
         assert (
             value(scrape(s.metrics_address), "switchagg_worker_packets_sent_total", job_id="7", rank="1") == 0
@@ -238,13 +243,19 @@ def test_the_environment_turns_worker_metrics_on(monkeypatch: pytest.MonkeyPatch
             taken.listen()
             monkeypatch.setenv("SWITCHAGG_METRICS_PORT", str(taken.getsockname()[1]))
             monkeypatch.setenv("LOCAL_RANK", "0")
-            with pytest.warns(RuntimeWarning, match="no metrics"), Session(8, 0, 2, ("127.0.0.1", 9)) as t:
+            with (
+                pytest.warns(RuntimeWarning, match="no metrics"),
+                Session(8, 0, 2, ("127.0.0.1", 9), key=KEY) as t,
+            ):
                 assert t.metrics_address is None
         monkeypatch.setenv("SWITCHAGG_METRICS_PORT", "http")
-        with pytest.warns(RuntimeWarning, match="is not a port"), Session(9, 0, 2, ("127.0.0.1", 9)) as u:
+        with (
+            pytest.warns(RuntimeWarning, match="is not a port"),
+            Session(9, 0, 2, ("127.0.0.1", 9), key=KEY) as u,
+        ):
             assert u.metrics_address is None
     monkeypatch.delenv("SWITCHAGG_METRICS_PORT")
-    with Session(10, 0, 2, ("127.0.0.1", 9)) as v:
+    with Session(10, 0, 2, ("127.0.0.1", 9), key=KEY) as v:
         assert v.metrics_address is None
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from switchagg import Session, SwitchaggError, protocol
-from switchagg.aggregator import SoftwareAggregator
+from switchagg.aggregator import SoftwareAggregator, new_key
 from switchagg_lab.testbed import netns, tools
 from switchagg_lab.testing.checks import float_bound
 from switchagg_lab.testing.reliability import Reliability
@@ -147,14 +147,27 @@ def rack_run(
 ) -> dict[str, Any]:
     """One job of STEPS allreduces on the rack with these faults; faults and job gone afterwards."""
     job = next(_jobs)
+    key = new_key()
     sessions: list[Session] = []
     try:
         for e in bed.endpoints:
             with netns.in_netns(e.ns):
                 sessions.append(
-                    Session(job, e.index, N, agg.address, 0, SLOTS, K, bind=(e.ip, 0), timeout=30, rto=0.02)
+                    Session(
+                        job,
+                        e.index,
+                        N,
+                        agg.address,
+                        0,
+                        SLOTS,
+                        K,
+                        bind=(e.ip, 0),
+                        timeout=30,
+                        rto=0.02,
+                        key=key,
+                    )
                 )
-        agg.add_job(job, N, 0, SLOTS, K, 1, [s.local_address for s in sessions])
+        agg.add_job(job, N, 0, SLOTS, K, 1, [s.local_address for s in sessions], key=key)
         set_faults(bed, loss, dup)
         checked, wrong, seconds = allreduce_steps(sessions, steps)
         faults = fault_counts(bed)

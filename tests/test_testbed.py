@@ -69,20 +69,21 @@ def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> No
     import numpy as np
 
     from switchagg import Session
-    from switchagg.aggregator import SoftwareAggregator
+    from switchagg.aggregator import SoftwareAggregator, new_key
 
     n, k, slots, length = 2, 8192, 16, 8192 * 96
     with Testbed(n, tmp_path / "bed", data_plane="soft", rate_mbit=20) as bed:
         with netns.in_netns(bed.switch_ns):
             agg = SoftwareAggregator(host=AGG_IP, port=protocol.UDP_PORT).start()
         sessions = []
+        key = new_key()
         try:
             for e in bed.endpoints:
                 with netns.in_netns(e.ns):
                     sessions.append(
-                        Session(1, e.index, n, agg.address, 0, slots, k, bind=(e.ip, 0), timeout=60)
+                        Session(1, e.index, n, agg.address, 0, slots, k, bind=(e.ip, 0), timeout=60, key=key)
                     )
-            agg.add_job(1, n, 0, slots, k, 1, [s.local_address for s in sessions])
+            agg.add_job(1, n, 0, slots, k, 1, [s.local_address for s in sessions], key=key)
             xs = [np.arange(length, dtype=np.int32) * (r + 1) for r in range(n)]
             for f in [s.allreduce_async(x) for s, x in zip(sessions, xs, strict=True)]:
                 f.result(timeout=120)

@@ -11,6 +11,7 @@ from switchagg.errors import (
     SwitchaggTeardown,
     SwitchaggTimeout,
 )
+from switchagg.keys import UNKEYED
 from switchagg.session import Session
 
 try:
@@ -19,6 +20,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path that was nev
     __version__ = "0+unknown"
 
 __all__ = [
+    "UNKEYED",
     "Session",
     "SwitchaggAborted",
     "SwitchaggError",

@@ -11,7 +11,6 @@ port is served by that many threads, each owning the slots congruent to its inde
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from switchagg import _core
+from switchagg.keys import UNKEYED, new_key, warn_unkeyed
 from switchagg.protocol import DROP_REASONS, JOB_COUNTERS, LEAF_COUNTERS, POOL_SLOT_MASK
 
 if TYPE_CHECKING:
@@ -35,14 +35,6 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def new_key() -> int:
-    """A fresh result key for a job: random (``secrets``), 32 bits, non-zero (0 means unkeyed)."""
-    while True:
-        key = secrets.randbits(32)
-        if key:
-            return key
-
-
 @dataclass(frozen=True)
 class InstalledJob:
     n: int
@@ -50,7 +42,7 @@ class InstalledJob:
     slot_count: int
     k: int
     name: str
-    key: int = 0  # the job's result key (0: unkeyed)
+    key: int = UNKEYED  # the job's result key
 
 
 class AggregatorHandle(Protocol):
@@ -73,7 +65,7 @@ class AggregatorHandle(Protocol):
         name: str = "",
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
-        key: int = 0,
+        key: int | None = None,
     ) -> Any: ...
 
     def remove_job(self, job_id: int) -> Any: ...
@@ -176,16 +168,22 @@ class SoftwareAggregator:
         name: str = "",
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
-        key: int = 0,
-    ) -> None:
+        key: int | None = None,
+    ) -> int:
         """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there.
         ``name`` only labels the job's metrics. ``key``: the job's 32-bit result key, written into
-        every RESULT (its workers drop results without it; docs/PROTOCOL.md, Security).
+        every RESULT (its workers drop results without it; docs/PROTOCOL.md, Security); None: a
+        fresh random one; UNKEYED (0): none, with a warning. Returns the key, for the workers
+        (``Session(key=...)``).
 
         With ``upstream`` (the spine's address) the job is aggregated here as leaf ``leaf_index`` of
         a two-level job (docs/PROTOCOL.md, Two levels): ``n`` is the job's total, ``addrs[r]`` is
         None for the ranks behind other leaves, and partial sums go to the spine, whose RESULTs
         are accepted from that address only. A spine is a plain job whose ranks are the leaves."""
+        if key is None:
+            key = new_key()
+        elif key == UNKEYED:
+            warn_unkeyed(f"job {job_id}")
         self._agg.add_job(
             job_id,
             n,
@@ -199,6 +197,7 @@ class SoftwareAggregator:
             key=key,
         )
         self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name, key)}
+        return key
 
     def remove_job(self, job_id: int) -> None:
         self._agg.remove_job(job_id)

@@ -2,17 +2,21 @@
 
 switchagg-aggregator --port 48879 --job 7:2:0:32:8192@127.0.0.1:5000,127.0.0.1:5001 --stats-interval 5
 
+A job without KEY gets a random result key, printed (``job 7 result key: 0x...``) for the workers'
+``Session(key=...)``; KEY ``unkeyed`` runs it without one, with a warning (docs/PROTOCOL.md, Security).
+
 Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
 address and its results go only there (docs/PROTOCOL.md, Security). ``--threads N`` serves the
 port with N threads (default: the CPUs the process may use), each owning the slots congruent to
 its index; the workers are unchanged.
 
 Two levels (docs/PROTOCOL.md, Two levels): a leaf names its local ranks and ``-`` for the others,
-and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are the leaves:
+and ``--leaf JOB:INDEX@SPINE_IP:PORT``; a spine is a plain job whose ranks are the leaves; every
+node of a job is given its one key:
 
-switchagg-aggregator --port 6001 --job 7:4:0:32:8192@127.0.0.1:5000,127.0.0.1:5001,-,-
+switchagg-aggregator --port 6001 --job 7:4:0:32:8192:1:0x5ec12e7@127.0.0.1:5000,127.0.0.1:5001,-,-
     --leaf 7:0@127.0.0.1:6000
-switchagg-aggregator --port 6000 --job 7:2:0:32:8192@127.0.0.1:6001,127.0.0.1:6002
+switchagg-aggregator --port 6000 --job 7:2:0:32:8192:1:0x5ec12e7@127.0.0.1:6001,127.0.0.1:6002
 
 A controller installs jobs itself through the control service (switchagg.aggregator_control):
 
@@ -26,16 +30,20 @@ import json
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
 from switchagg.aggregator import MAX_KEY, MAX_THREADS, SoftwareAggregator, format_counters, usable_cpus
 from switchagg.cli_util import add_version, quiet_broken_pipe
+from switchagg.keys import UNKEYED
 from switchagg.protocol import DEFAULT_SW_K, DEFAULT_SW_SLOTS, UDP_PORT
 
-JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int] | None], int]
+# KEY: None when the spec gives none (a fresh random key is drawn and printed), UNKEYED for "unkeyed".
+JobSpec = tuple[int, int, int, int, int, int, list[tuple[str, int] | None], int | None]
 JOB_SYNTAX = "ID:N:BASE:COUNT:K[:GEN[:KEY]]@IP:PORT,IP:PORT,..."
+NO_KEY = "unkeyed"
 
 
 LEAF_SYNTAX = "JOB:INDEX@IP:PORT"
@@ -43,8 +51,9 @@ LEAF_SYNTAX = "JOB:INDEX@IP:PORT"
 
 def parse_job(spec: str) -> JobSpec:
     """ID:N:BASE:COUNT:K[:GEN[:KEY]]@ADDR,... -> (job_id, n, slot_base, slot_count, k, generation,
-    addrs, key); an ADDR ``-`` (None) is a rank behind another leaf. GEN defaults to 1, KEY (the
-    result key, decimal or 0x hex, 32 bits) to 0: unkeyed."""
+    addrs, key); an ADDR ``-`` (None) is a rank behind another leaf. GEN defaults to 1. KEY, the
+    result key (decimal or 0x hex, 32 bits, non-zero): None when omitted (main draws one and prints
+    it); ``unkeyed`` opts out (UNKEYED, with a warning)."""
     numbers, at, addr_list = spec.partition("@")
     if not at or not addr_list:
         raise argparse.ArgumentTypeError(
@@ -54,16 +63,26 @@ def parse_job(spec: str) -> JobSpec:
     parts = numbers.split(":")
     if len(parts) not in (5, 6, 7):
         raise argparse.ArgumentTypeError(f"--job {spec!r}: expected {JOB_SYNTAX}")
+    key: int | None = None
+    if len(parts) == 7:
+        text = parts.pop()
+        try:
+            key = UNKEYED if text == NO_KEY else int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--job {spec!r}: KEY {text!r} is not a number (or '{NO_KEY}')"
+            ) from None
+        if text != NO_KEY and not 0 < key <= MAX_KEY:
+            raise argparse.ArgumentTypeError(
+                f"--job {spec!r}: KEY {text} is not a non-zero 32-bit unsigned number (omit it for a "
+                f"random one; '{NO_KEY}' runs the job without one)"
+            )
     try:
-        nums = [int(p) for p in parts[:6]] + [int(p, 0) for p in parts[6:]]
+        nums = [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--job {spec!r}: every field must be an integer") from None
     if len(nums) == 5:
         nums.append(1)
-    if len(nums) == 6:
-        nums.append(0)
-    if not 0 <= nums[6] <= MAX_KEY:
-        raise argparse.ArgumentTypeError(f"--job {spec!r}: KEY {parts[6]} is not a 32-bit unsigned number")
     addrs: list[tuple[str, int] | None] = []
     for item in addr_list.split(","):
         if item == "-":
@@ -77,7 +96,7 @@ def parse_job(spec: str) -> JobSpec:
         raise argparse.ArgumentTypeError(
             f"--job {spec!r}: {nums[1]} ranks but {len(addrs)} addresses (one per rank, in rank order)"
         )
-    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs, nums[6])
+    return (nums[0], nums[1], nums[2], nums[3], nums[4], nums[5], addrs, key)
 
 
 def _ip_port(text: str, what: str) -> tuple[str, int]:
@@ -126,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar=JOB_SYNTAX,
         help=f"install a job (repeatable), e.g. 7:2:0:{DEFAULT_SW_SLOTS}:{DEFAULT_SW_K}@127.0.0.1:5000,"
-        "127.0.0.1:5001; GEN defaults to 1; KEY is the job's result key (decimal or 0x hex, 32 bits), "
-        "written into every RESULT: workers given it (Session(key=...)) drop results without it; "
-        "it defaults to 0, unkeyed; rank r's packets are accepted only from the r-th address",
+        "127.0.0.1:5001; GEN defaults to 1; KEY is the job's result key (decimal or 0x hex, 32 bits, "
+        "non-zero), written into every RESULT: workers given it (Session(key=...)) drop results "
+        f"without it; omitted, a random one is drawn and printed; '{NO_KEY}' runs the job without "
+        "one (a warning); rank r's packets are accepted only from the r-th address",
     )
     p.add_argument(
         "--leaf",
@@ -230,13 +250,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = sorted(set(leaves) - {job[0] for job in args.job})
         if unknown:
             raise ValueError(f"--leaf names jobs that no --job installs: {unknown}")
+        keys: dict[int, int] = {}
         for job in args.job:
             index, spine = leaves.get(job[0], (0, None))
             if spine is None and None in job[6]:
                 raise ValueError(
                     f"job {job[0]} has ranks '-' (behind other leaves) but no --leaf {job[0]}:..."
                 )
-            agg.add_job(*job[:7], name=names.get(job[0], ""), upstream=spine, leaf_index=index, key=job[7])
+            if job[7] == UNKEYED:
+                print(
+                    f"switchagg-aggregator: warning: job {job[0]} is unkeyed: its workers accept any "
+                    "RESULT from this port, so a process that takes it over while this one is down can "
+                    "forge sums (docs/PROTOCOL.md, Security)",
+                    file=sys.stderr,
+                )
+            with warnings.catch_warnings():  # said above, in the daemon's words
+                warnings.simplefilter("ignore", RuntimeWarning)
+                keys[job[0]] = agg.add_job(
+                    *job[:7], name=names.get(job[0], ""), upstream=spine, leaf_index=index, key=job[7]
+                )
         if args.metrics_port is not None:
             metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
         if args.control is not None:
@@ -259,16 +291,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     agg.start()
     host, port = agg.address
-    jobs = (
-        ", ".join(f"{j[0]} (n={j[1]}, slots {j[2]}..{j[2] + j[3] - 1}, K={j[4]})" for j in args.job) or "none"
-    )
+    jobs = ", ".join(f"{j[0]} (n={j[1]}, slots {j[2]}..{j[2] + j[3] - 1}, K={j[4]})" for j in args.job)
     threads = f"{agg.threads} thread{'s' if agg.threads > 1 else ''}"
-    print(f"switchagg-aggregator listening on {host}:{port}; {threads}; jobs: {jobs}", flush=True)
+    print(f"switchagg-aggregator listening on {host}:{port}; {threads}; jobs: {jobs or 'none'}", flush=True)
     if args.metrics_port is not None:
         print(f"metrics on http://{metrics_host}:{metrics_port}/metrics", flush=True)
     if args.control is not None:
         where = args.control if control_port == 0 else f"{args.control.rpartition(':')[0]}:{control_port}"
         print(f"control on {where}; boot id {boot_id}", flush=True)
+    for job_id, key in keys.items():  # the workers need it: Session(key=...)
+        print(f"job {job_id} result key: {f'{key:#010x}' if key != UNKEYED else NO_KEY}", flush=True)
     interval = args.stats_interval if args.stats_interval > 0 else None
     while not done.wait(interval):
         print(format_counters(agg.counters()), flush=True)

@@ -27,6 +27,7 @@ import grpc
 from switchagg._proto import aggregator_pb2 as pb
 from switchagg._proto import aggregator_pb2_grpc as pb_grpc
 from switchagg.aggregator import POOL_SLOTS, Counters, InstalledJob, SoftwareAggregator
+from switchagg.keys import UNKEYED, warn_unkeyed
 
 Address = tuple[str, int]
 DEFAULT_TIMEOUT_S = 5.0
@@ -208,10 +209,18 @@ class RemoteAggregator:
         name: str = "",
         upstream: Address | None = None,
         leaf_index: int = 0,
-        key: int = 0,
+        key: int | None = None,
     ) -> bool:
         """As SoftwareAggregator.add_job, except that an installed job id is replaced (the
-        controller's reinstall with a new generation); True if it was."""
+        controller's reinstall with a new generation); True if it was. ``key`` is required: the
+        caller hands it to the workers (UNKEYED, with a warning, for none)."""
+        if key is None:
+            raise ValueError(
+                f"job {job_id}: a job installed through the control service needs key= (the result key "
+                "its workers are given; switchagg.UNKEYED for none)"
+            )
+        if key == UNKEYED:
+            warn_unkeyed(f"job {job_id}")
         ranks = [
             pb.RankAddress(present=False)
             if a is None

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from switchagg import _core, protocol
+from switchagg.keys import UNKEYED, warn_unkeyed
 from switchagg.striping import Shard, Stripes, shard_bounds
 
 _METRICS_PORT_ENV = "SWITCHAGG_METRICS_PORT"
@@ -93,7 +94,7 @@ class Session:
         rto_max: float = 1.0,
         rcvbuf: int = 0,
         metrics_port: int | None = None,
-        key: int = 0,
+        key: int | None = None,
         _worker: _core.Worker | None = None,
         shards: Sequence[Shard] | None = None,
         _workers: Sequence[_core.Worker] | None = None,
@@ -107,8 +108,10 @@ class Session:
         $SWITCHAGG_METRICS_HOST, default 127.0.0.1. Needs ``pip install switchagg[metrics]``.
 
         ``key``: the job's 32-bit result key, as installed on its aggregator (the job service and the
-        torch backend hand it out): only RESULTs that carry it are used. 0 on both sides for a job
-        set up by hand without one (docs/PROTOCOL.md, Security).
+        torch backend hand it out; ``SoftwareAggregator.add_job`` returns it; switchagg-aggregator
+        prints it): only RESULTs that carry it are used. Required unless ``shards`` carry it;
+        ``switchagg.UNKEYED`` on both sides runs a job without one, with a warning
+        (docs/PROTOCOL.md, Security).
 
         Striping (docs/PROTOCOL.md, Striping): ``aggregator`` may be a list of addresses, one
         aggregator per shard, each with this job, slot range and key installed; or ``shards`` gives
@@ -116,10 +119,18 @@ class Session:
         contiguous shards, each summed on its own aggregator through a socket of its own, all at
         once; ``_workers``: the sockets, one per shard (bound already), else bound here."""
         if shards is None:
+            if key is None:
+                raise ValueError(
+                    f"job {job}: Session needs key=, the job's result key as installed on its aggregator "
+                    "(add_job's return value, or what switchagg-aggregator printed); key=switchagg.UNKEYED "
+                    "runs without one"
+                )
             many = [aggregator] if isinstance(aggregator[0], str) else list(aggregator)
             shards = [Shard((str(a[0]), int(a[1])), slot_base, slot_count, key) for a in many]  # type: ignore[index]
         if not shards:
             raise ValueError("a session needs at least one aggregator")
+        if any(s.key == UNKEYED for s in shards):
+            warn_unkeyed(f"job {job}")
         workers = list(_workers) if _workers is not None else []
         if _worker is not None and not workers:
             workers = [_worker]

@@ -74,8 +74,8 @@ class Network:
     backend the C++ side hands every other collective to (DDP's broadcasts, barriers, allgathers).
 
     A network call waits for a slow live peer up to the group's ``timeout`` (init_process_group's);
-    a peer that is gone (its heartbeat in the store stopped for SWITCHAGG_TIMEOUT seconds) fails it
-    sooner, naming the rank (liveness.PeerWatch). ``backend_of(group)`` returns it.
+    a peer that is gone (its process ended: its liveness connection closed) fails it at once,
+    naming the rank (liveness.PeerWatch). ``backend_of(group)`` returns it.
     """
 
     def __init__(
@@ -86,11 +86,11 @@ class Network:
         self._lock = threading.Lock()
         self.calls = CallLog(f"switchagg group {group_tag} (rank {rank} of {size})")
         self.identity = identity.CallIdentity(store, rank, size, f"switchagg group {group_tag}")
-        self._watch = PeerWatch(store, rank, size, session_timeout(), self._peer_gone)
+        self._watch = PeerWatch(rank, size, session_timeout(), self._peer_gone)
         exchange = StoreExchange(store, rank, size)
         try:
             self._plane: DataPlane | None = open_data_plane(
-                rank, size, exchange, group_tag, call_timeout=timeout.total_seconds()
+                rank, size, exchange, group_tag, call_timeout=timeout.total_seconds(), watch=self._watch
             )
         except BaseException:
             self._watch.close()

@@ -14,6 +14,7 @@ from switchagg.lanes import MAX_LANES, Lanes, lane_slots
 if TYPE_CHECKING:
     from switchagg.aggregator import SoftwareAggregator
     from switchagg.session import Session
+    from switchagg.torch.liveness import PeerWatch
 
 # The job id an embedded aggregator gives its only job.
 EMBEDDED_JOB = 1
@@ -231,14 +232,10 @@ def _embedded_key(key: int, lane: int, shard: int) -> int:
     return shard_key(shard_key(key, lane), shard)
 
 
-def _parse_host_entry(text: str, rank: int) -> tuple[tuple[str, int], int, str]:
-    """A hosting rank's "HOST:PORT KEY NETWORK": its aggregator's address, the group's result key
-    (rank 0's entry; the others write 0) and its network_identity()."""
-    address, _, rest = text.partition(" ")
-    key, _, network = rest.partition(" ")
-    if not key.isdigit() or int(key) > 0xFFFFFFFF or (rank == 0 and int(key) == 0):
-        raise RuntimeError(f"rank {rank} published {text!r}, not HOST:PORT KEY NETWORK")
-    return parse_host_port(address, f"rank {rank}'s aggregator address"), int(key), network
+def _parse_host_entry(text: str, rank: int) -> tuple[tuple[str, int], str]:
+    """A hosting rank's "HOST:PORT NETWORK": its aggregator's address and its network_identity()."""
+    address, _, network = text.partition(" ")
+    return parse_host_port(address, f"rank {rank}'s aggregator address"), network
 
 
 def _gathered(exchange: Exchange, mine: str, what: str) -> list[str]:
@@ -252,19 +249,15 @@ def _gathered(exchange: Exchange, mine: str, what: str) -> list[str]:
 
 def _host_aggregators(
     rank: int, exchange: Exchange, hosts: list[int]
-) -> tuple[SoftwareAggregator | None, list[tuple[str, int]], int, list[str]]:
-    """Each hosting rank starts its shard's aggregator (rank 0 also draws the group's result key);
-    every rank returns (its own aggregator or None, the shards' addresses, the key, the hosts'
-    network_identity()s)."""
+) -> tuple[SoftwareAggregator | None, list[tuple[str, int]], list[str]]:
+    """Each hosting rank starts its shard's aggregator; every rank returns (its own aggregator or
+    None, the shards' addresses, the hosts' network_identity()s)."""
     aggregator, mine = None, "-"
     if rank in hosts:
         try:
-            from switchagg.aggregator import new_key
-
             aggregator = _start_aggregator()
-            key = new_key() if rank == 0 else 0  # only the group's ranks and aggregators know it
             host, port = aggregator.address
-            mine = f"{host}:{port} {key} {network_identity()}"
+            mine = f"{host}:{port} {network_identity()}"
         except Exception as e:
             mine = f"{FAILED_MARK}rank {rank} could not start its switchagg aggregator: {e!r}"
     try:
@@ -274,7 +267,7 @@ def _host_aggregators(
         if aggregator is not None:
             aggregator.stop()
         raise
-    return aggregator, [e[0] for e in entries], entries[0][1], [e[2] for e in entries]
+    return aggregator, [e[0] for e in entries], [e[1] for e in entries]
 
 
 def _install_lanes(
@@ -302,7 +295,7 @@ def _install_lanes(
 
 
 def _open_embedded(
-    rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str, lanes: int
+    rank: int, world_size: int, exchange: Exchange, timeout: float, group_tag: str, lanes: int, key: int
 ) -> DataPlane:
     """The group's ranks host the aggregators (SWITCHAGG_SHARDS: rank 0's alone by default); the
     jobs are installed only once every rank's address is known, so that each aggregator accepts
@@ -311,7 +304,8 @@ def _open_embedded(
     With several lanes every lane is a job of its own on each aggregator (job EMBEDDED_JOB + lane, a
     slot range of its own out of the window split over the lanes, a result key derived from the
     group's). With several shards every tensor is striped over the aggregators (switchagg.striping)
-    and every rank opens one socket per lane and shard."""
+    and every rank opens one socket per lane and shard. ``key``: the group's result key, derived by
+    every rank from the secret its liveness connections carried: it never passes through the store."""
     from switchagg.session import Session
     from switchagg.striping import Shard
 
@@ -320,7 +314,7 @@ def _open_embedded(
     aggregator = None
     sessions: list[Session] = []
     try:
-        aggregator, addresses, key, networks = _host_aggregators(rank, exchange, hosts)
+        aggregator, addresses, networks = _host_aggregators(rank, exchange, hosts)
         try:
             mine_network = network_identity()
             for host, address, network in zip(hosts, addresses, networks, strict=True):
@@ -358,24 +352,51 @@ def _open_embedded(
     return DataPlane(Lanes(sessions), aggregator)
 
 
+def listen_address() -> str:
+    """Where rank 0 listens for its peers' liveness connections: SWITCHAGG_BIND, else default_bind()."""
+    return os.environ.get("SWITCHAGG_BIND") or default_bind()
+
+
 def open_data_plane(
-    rank: int, world_size: int, exchange: Exchange, group_tag: str, call_timeout: float | None = None
+    rank: int,
+    world_size: int,
+    exchange: Exchange,
+    group_tag: str,
+    call_timeout: float | None = None,
+    watch: PeerWatch | None = None,
 ) -> DataPlane:
     """Open this rank's data plane; collective: every rank of the group must call it. ``call_timeout``:
-    seconds without progress before a call fails (the process group's timeout; default SWITCHAGG_TIMEOUT)."""
+    seconds without progress before a call fails (the process group's timeout; default SWITCHAGG_TIMEOUT).
+    ``watch``: the group's liveness.PeerWatch, not yet connected: it connects first (its secret gives
+    the embedded job's key); None: one is made for the start-up and closed after it."""
     from switchagg.session import Session
+    from switchagg.torch.liveness import PeerWatch, derive_key
 
     gone_after = session_timeout()  # checks the variables before anything is exchanged
     lanes = lanes_wanted()
     # The C worker takes finite timeouts below 1e9 s; a longer process group timeout means "wait".
     timeout = min(call_timeout, 1e8) if call_timeout is not None and call_timeout > 0 else gone_after
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
-    if not service:
-        return _open_embedded(rank, world_size, exchange, timeout, group_tag, lanes)
-    service_host = "" if service.startswith("unix:") else parse_host_port(service, "SWITCHAGG_JOB_SERVICE")[0]
+    if service:
+        unix = service.startswith("unix:")
+        service_host = "" if unix else parse_host_port(service, "SWITCHAGG_JOB_SERVICE")[0]
+        secret = _read_secret()
+    else:
+        _embedded_layout(lanes)  # SWITCHAGG_K and SWITCHAGG_SLOTS
+        shards_wanted(world_size)
+    own_watch = watch is None
+    if watch is None:
+        watch = PeerWatch(rank, world_size, gone_after, lambda _: None)
+    watch.connect(exchange, listen_address)
+    try:
+        if not service:
+            key = derive_key(watch.secret, f"result key {group_tag}")
+            return _open_embedded(rank, world_size, exchange, timeout, group_tag, lanes, key)
+    finally:
+        if own_watch:
+            watch.close()
     name = os.environ.get("SWITCHAGG_JOB_NAME") or default_job_name(group_tag)
     bind = _worker_bind(service_host)
-    secret = _read_secret()
     # One job per lane, joined in lane order on every rank (each join waits for the whole group).
     sessions: list[Session] = []
     try:

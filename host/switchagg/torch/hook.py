@@ -57,7 +57,7 @@ class SwitchaggHookState:
     after init_process_group and in the same order (addresses are exchanged over the group).
 
     A bucket waits for a slow live peer up to ``timeout`` (default: the group's own timeout); a peer
-    that is gone (no heartbeat in the default c10d store for SWITCHAGG_TIMEOUT s) fails it sooner."""
+    that is gone (its process ended: its liveness connection closed) fails it at once."""
 
     _created = 0
 
@@ -77,11 +77,12 @@ class SwitchaggHookState:
         self._warned = False
         store = dist.PrefixStore(f"switchagg/{tag}", dist.distributed_c10d._get_default_store())
         self.identity = identity.CallIdentity(store, self.rank, self.world_size, f"switchagg hook {tag}")
-        self._watch = PeerWatch(store, self.rank, self.world_size, session_timeout(), self._peer_gone)
+        self._watch = PeerWatch(self.rank, self.world_size, session_timeout(), self._peer_gone)
         try:
             self.plane: DataPlane | None = open_data_plane(
-                self.rank, self.world_size, GroupExchange(group), tag, self.timeout.total_seconds()
-            )
+                self.rank, self.world_size, GroupExchange(group), tag, self.timeout.total_seconds(),
+                watch=self._watch,
+            )  # fmt: skip
         except BaseException:
             self._watch.close()
             raise

@@ -31,6 +31,7 @@ def start_job(
             "tensors": tensors,
             "seed": seed,
             "out": str(out),
+            "key": job.key,  # the one installed on the switch (0, UNKEYED, unless the job has one)
         }
         procs.append(e.popen([*WORKER, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs

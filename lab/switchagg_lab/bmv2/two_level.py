@@ -82,7 +82,9 @@ class TwoLevelJob:
             self._session("spine", self.bed.spine.grpc_address).apply(state)
         else:
             ranks = ",".join(f"{leaf_ip(r)}:{protocol.UDP_PORT}" for r in range(len(self.bed.racks)))
-            spec = f"{JOB}:{len(self.bed.racks)}:0:{self.slots}:{protocol.P4_K}:{self.generation}@{ranks}"
+            # Unkeyed, as the P4 leaves' job (p4_program.desired_state's default key).
+            spec = f"{JOB}:{len(self.bed.racks)}:0:{self.slots}:{protocol.P4_K}:{self.generation}"
+            spec += f":unkeyed@{ranks}"
             argv = ["ip", "netns", "exec", self.bed.spine_ns]
             argv += [sys.executable, "-m", "switchagg.aggregator_cli"]
             argv += ["--host", SPINE_IP, "--port", str(protocol.UDP_PORT), "--job", spec]
@@ -132,7 +134,7 @@ def start_workers(
             "job": JOB, "rank": w.index, "n": len(bed.workers),
             "aggregator": [leaf_ip(rack), protocol.UDP_PORT], "slot_base": 0, "slots": slots,
             "k": protocol.P4_K, "bind": [w.ip, WORKER_PORT],
-            "tensors": tensors, "out": str(out), **cfg,
+            "tensors": tensors, "out": str(out), "key": 0, **cfg,  # unkeyed, as the spine's spec
         }  # fmt: skip
         procs.append(w.popen([*WORKER, json.dumps(c)], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs

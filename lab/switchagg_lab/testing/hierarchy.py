@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from switchagg.aggregator import new_key
+from switchagg.aggregator_cli import NO_KEY
 from switchagg_lab.testing.local import WORKER, _read_address
 
 AGGREGATOR = [sys.executable, "-m", "switchagg.aggregator_cli"]
@@ -26,7 +27,7 @@ Address = tuple[str, int]
 
 def _spec(job: int, n: int, slots: int, k: int, addrs: Sequence[Address | None], key: int) -> str:
     ranks = ",".join("-" if a is None else f"{a[0]}:{a[1]}" for a in addrs)
-    return f"{job}:{n}:0:{slots}:{k}:1:{key}@{ranks}"
+    return f"{job}:{n}:0:{slots}:{k}:1:{key or NO_KEY}@{ranks}"  # 0: unkeyed, by name
 
 
 @dataclass

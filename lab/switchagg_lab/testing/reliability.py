@@ -38,6 +38,7 @@ FAULTS = (
     "loss",
     "duplicated packets",
     "worker killed",
+    "worker stalled",
     "aggregator restarted",
     "controller restarted",
     "bmv2 restarted",

@@ -7,6 +7,7 @@ Each rank writes OUT_DIR/rankR.json with what it observed; the test does the ass
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import json
@@ -344,34 +345,45 @@ def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def _wait_for(path: Path, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path.name} from the test")
+        time.sleep(0.02)
+
+
 def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
-    """The last rank parks after one allreduce; the test SIGKILLs it, then the others try again.
-    The group's timeout is long (PG_TIMEOUT s): the peer watch must report the dead rank first."""
+    """The last rank parks after one allreduce; the others start a second one and say so, and the
+    test SIGKILLs the last rank mid-call. The group's timeout is long (PG_TIMEOUT s): the liveness
+    connections report the dead rank first. Then a DDP step on the group, and a hook state made
+    before the kill, fail at once too."""
     timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "1800")))
     dist.init_process_group("switchagg", timeout=timeout)
     ddp = DDP(make_model(), bucket_cap_mb=CAP_MB)  # built while every rank lives (it broadcasts)
+    gloo_group = dist.new_group(backend="gloo")
+    state = satorch.SwitchaggHookState(gloo_group)
+    hooked = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
+    hooked.register_comm_hook(state, satorch.allreduce_hook)
     t = torch.ones(K + 5)
     dist.all_reduce(t)
     (out_dir / f"ready{rank}").write_text(str(os.getpid()))
-    go = out_dir / "go"
-    deadline = time.monotonic() + 60
-    while not go.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("no go signal from the test")
-        time.sleep(0.05)
     if rank == n - 1:
-        return  # not reached: the test killed this rank before writing "go"
+        _wait_for(out_dir / "never", 120)  # the test kills this rank
+        return
     result: dict[str, Any] = {"first_ok": bool(torch.equal(t, torch.full((K + 5,), float(n))))}
     start = time.monotonic()
+    work = dist.all_reduce(torch.ones(K + 5), async_op=True)
+    assert work is not None
+    (out_dir / f"calling{rank}").write_text("")
     try:
-        work = dist.all_reduce(torch.ones(K + 5), async_op=True)
-        assert work is not None
         work.wait()
         result["error"] = None
     except Exception as e:  # the session's timeout reaches the caller through the Work
         result["error"] = type(e).__name__
         result["message"] = str(e)
         result["is_switchagg_error"] = isinstance(e, switchagg.SwitchaggError)
+    result["failed_at"] = time.time()  # the test compares it with when it sent SIGKILL
     result["seconds"] = time.monotonic() - start
     # DDP's reducer reads the failed future in C++: a clear error, not a crash of the process.
     try:
@@ -380,6 +392,14 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
     except Exception as e:
         result["ddp_error"] = type(e).__name__
         result["ddp_message"] = str(e)
+    start = time.monotonic()
+    try:
+        hooked(torch.randn(4, 32)).sum().backward()
+        result["hook_error"] = None
+    except Exception as e:
+        result["hook_error"] = type(e).__name__
+        result["hook_message"] = str(e)
+    result["hook_seconds"] = time.monotonic() - start
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:  # rank 0 serves the store: leaving first would show the others "store unreachable"
         deadline = time.monotonic() + 60
@@ -387,6 +407,29 @@ def scenario_killed_peer(rank: int, n: int, out_dir: Path) -> None:
             (out_dir / f"rank{r}.json").exists() for r in range(n - 1)
         ):
             time.sleep(0.05)
+
+
+def scenario_stalled_peer(rank: int, n: int, out_dir: Path) -> None:
+    """Rank STALL_RANK stalls STALL_SECONDS (longer than SWITCHAGG_TIMEOUT, shorter than the group's
+    PG_TIMEOUT) while the others are in an allreduce: STALL=gil holds the GIL in one C call
+    (ctypes.PyDLL keeps it); STALL=sigstop: the test stops and continues the process. Every rank's
+    call must complete with the right sum."""
+    dist.init_process_group("switchagg", timeout=timedelta(seconds=float(os.environ["PG_TIMEOUT"])))
+    victim = int(os.environ["STALL_RANK"])
+    t = torch.ones(K + 5)
+    dist.all_reduce(t)
+    (out_dir / f"ready{rank}").write_text(str(os.getpid()))
+    _wait_for(out_dir / "go")
+    if rank == victim and os.environ["STALL"] == "gil":
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held through the call
+        libc.sleep(int(os.environ["STALL_SECONDS"]))
+    size = 2 * K + 3
+    x = torch.full((size,), float(rank + 1))
+    result = timed_allreduce(x)
+    result["ok"] = bool(torch.equal(x, torch.full((size,), float(n * (n + 1) // 2))))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if result["error"] is None:
+        dist.barrier()
 
 
 def timed_allreduce(t: torch.Tensor, group: Any = None) -> dict[str, Any]:
@@ -901,6 +944,7 @@ SCENARIOS = {
     "collectives": scenario_collectives,
     "killed_peer": scenario_killed_peer,
     "paused_peer": scenario_paused_peer,
+    "stalled_peer": scenario_stalled_peer,
     "bind": scenario_bind,
     "cuda": scenario_cuda,
     "job_service": scenario_job_service,

@@ -53,7 +53,7 @@ def main() -> int:
         bind=(bind_ip, bind_port),
         timeout=cfg.get("timeout", 20.0),
         rto=cfg.get("rto", 0.05),
-        key=cfg.get("key", 0),
+        key=cfg["key"],  # UNKEYED (0) only where the spawner asked for it
     ) as s:
         if cfg.get("announce"):
             print(json.dumps({"address": list(s.local_address)}), flush=True)

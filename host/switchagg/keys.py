@@ -1,0 +1,28 @@
+"""Result keys (docs/PROTOCOL.md, Security): every job has one unless it opts out, by name."""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+
+# A job without a result key: its workers take any RESULT from the aggregator's address, so a
+# process that takes over that port while the aggregator is down can forge sums. Only by asking.
+UNKEYED = 0
+
+
+def new_key() -> int:
+    """A fresh result key for a job: random (``secrets``), 32 bits, non-zero (0 is UNKEYED)."""
+    while True:
+        key = secrets.randbits(32)
+        if key:
+            return key
+
+
+def warn_unkeyed(what: str, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"switchagg: {what} is unkeyed (key=UNKEYED): its workers accept any RESULT from the "
+        "aggregator's address, so a process that takes over that port while the aggregator is down "
+        "can forge sums (docs/PROTOCOL.md, Security)",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )

@@ -130,7 +130,7 @@ def _environment_reads() -> dict[str, dict[str, Any]]:
                 and isinstance(node.args[0], ast.Constant)
             ):
                 values = [_constant(a, vars(dataplane)) for a in node.args[1:]]
-                found[node.args[0].value] = {
+                found[str(node.args[0].value)] = {
                     "default": values[0],
                     "max": values[2] if len(values) > 2 else None,
                 }

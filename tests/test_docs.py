@@ -206,6 +206,19 @@ def test_docker_md_lists_each_variants_services(variant: str) -> None:
         )
 
 
+def test_the_readme_quotes_the_soft_images_sizes_docker_md_measured() -> None:
+    """What `make test` builds (the soft variant's images) is the sum of DOCKER.md's table."""
+    sizes: dict[str, float] = {}
+    for name, size, unit in re.findall(
+        r"^\| `switchagg-([\w-]+):\w+` \|.*\| ([\d.]+) (MB|GB)", read("docs/DOCKER.md"), re.M
+    ):
+        sizes[name] = float(size) * (1000 if unit == "GB" else 1)
+    soft = ("base", "build", "torch-build", "controller", "worker")
+    m = re.search(r"images \(about ([\d.]+) GB", read("README.md"))
+    assert m and set(soft) <= set(sizes), sizes
+    assert near(m.group(1), sum(sizes[s] for s in soft), 1e-3)
+
+
 # ---- measured figures: the flood's cost, the benchmarks ----
 
 

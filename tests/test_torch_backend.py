@@ -114,14 +114,17 @@ def test_metrics_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) 
 def test_debug_log_says_where(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         log = r["log"]
-        assert "allreduce float32 on cpu runs in the network" in log
-        assert "allreduce bfloat16 on cpu runs in the network" in log
+        assert "allreduce float32 on cpu runs in the network (SUM)" in log
+        assert "allreduce bfloat16 on cpu runs in the network (SUM)" in log
+        n = len(collectives)
+        avg = f"float32 on cpu runs in the network (AVG: SUM in the network, then / {n} on each rank)"
+        assert avg in log
         assert "allreduce float64 on cpu runs on gloo (dtype float64)" in log
         assert "allreduce int32 on cpu runs on gloo (op MAX)" in log
         assert "broadcast float32 on cpu runs on gloo" in log
         # the first call of each kind per group only (the world group g1 made many)
         lines = log.splitlines()
-        assert sum("g1" in line and "float32 on cpu runs in the network" in line for line in lines) == 1
+        assert sum("g1" in line and "float32 on cpu runs in the network (SUM)" in line for line in lines) == 1
 
 
 def test_hook_fallback_is_counted_and_warned_once(collectives: list[dict[str, Any]]) -> None:

@@ -141,8 +141,9 @@ class Network:
         if why:
             self.calls.record(op, ON_GLOO, first_tensor(tensors), why)
             return False
-        self.calls.record(op, NETWORK, tensors[0])
         divide_by = self.size if red_op == dist.ReduceOp.AVG else 1
+        how = f"AVG: SUM in the network, then / {divide_by} on each rank" if divide_by > 1 else "SUM"
+        self.calls.record(op, NETWORK, tensors[0], how=how)
         if sum(t.numel() for t in tensors) == 0:
             done(None)
             return True

@@ -27,9 +27,9 @@ def test_the_backend_loads_without_importing_the_extension_builder() -> None:
         "native.load()\n"
         "print('imported' if 'torch.utils.cpp_extension' in sys.modules else 'not imported')\n"
         "from torch.utils import cpp_extension\n"
-        "import os\n"
-        "print(native.build_directory().parent == "
-        "__import__('pathlib').Path(os.environ.get('TORCH_EXTENSIONS_DIR') or cpp_extension.get_default_build_root()))\n"
+        "import os, pathlib\n"
+        "root = os.environ.get('TORCH_EXTENSIONS_DIR') or cpp_extension.get_default_build_root()\n"
+        "print(native.build_directory().parent == pathlib.Path(root))\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

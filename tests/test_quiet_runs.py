@@ -81,3 +81,73 @@ def test_ranks_in_the_testbed_name_their_peers(tmp_path: Path) -> None:
         assert p.returncode == 0, f"rank {r}: {err}"
         assert out.strip() == str([float(n * (n + 1) // 2)] * 4), out
         assert "hostname of the client socket" not in err, f"rank {r}: {err}"
+
+
+FAKE_DOCKER = """#!/bin/sh
+# docker as the CLI 23+ answers without the buildx component (FAKE_BUILDX: with it)
+case "$1" in
+buildx) [ -n "${FAKE_BUILDX:-}" ] || { echo "docker: unknown command: docker buildx" >&2; exit 1; } ;;
+build)
+  echo "builder: DOCKER_BUILDKIT=${DOCKER_BUILDKIT-unset}" >&2
+  if [ "${DOCKER_BUILDKIT-}" != 1 ]; then
+    printf 'DEPRECATED: The legacy builder is deprecated and will be removed in a future release.\\n'\
+'            Install the buildx component to build images with BuildKit:\\n'\
+'            https://docs.docker.com/go/buildx/\\n\\n' >&2
+  fi
+  echo "Step 1/1 : FROM scratch" >&2
+  echo sha256:0123
+  exit "${FAKE_RC:-0}"
+  ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("buildx", [False, True])
+def test_image_builds_use_buildkit_where_the_engine_has_it(
+    buildx: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docker/testbed.py's builds against a docker CLI on PATH: BuildKit with buildx; without it the
+    legacy builder, its deprecation notice left out and everything else the build said kept."""
+    from switchagg_lab.testing.docker_testbed import load_testbed
+
+    docker = tmp_path / "bin" / "docker"
+    docker.parent.mkdir()
+    docker.write_text(FAKE_DOCKER)
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{docker.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("DOCKER_BUILDKIT", raising=False)
+    if buildx:
+        monkeypatch.setenv("FAKE_BUILDX", "1")
+    tb = load_testbed()
+    tb._build(tmp_path / "Dockerfile", tmp_path, "switchagg-test:dev")
+    err = capsys.readouterr().err
+    assert f"builder: DOCKER_BUILDKIT={'1' if buildx else 'unset'}" in err, err
+    assert "Step 1/1 : FROM scratch" in err
+    assert "legacy builder" not in err and "buildx component" not in err, err
+    monkeypatch.setenv("FAKE_RC", "1")  # a failed build says everything
+    with pytest.raises(subprocess.CalledProcessError):
+        tb._build(tmp_path / "Dockerfile", tmp_path, "switchagg-test:dev")
+    assert "Step 1/1" in capsys.readouterr().err
+
+
+UNSHARE_REASON = tools.missing_for(["unshare", "mount"], "the rack-entry hosts test")
+
+
+@pytest.mark.skipif(UNSHARE_REASON is not None or os.geteuid() != 0, reason=UNSHARE_REASON or "needs root")
+def test_rack_entry_names_the_rack_for_c10d(tmp_path: Path) -> None:
+    """docker/rack-entry.sh gives a worker container the rack's names, v4-mapped forms included: run
+    in a mount namespace of its own, over a copy of /etc/hosts, then resolved by glibc as c10d does."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    lookup = (
+        "import socket; print(socket.getnameinfo(('::ffff:10.201.0.3', 1, 0, 0), socket.NI_NUMERICSERV)[0], "
+        "socket.getnameinfo(('10.201.0.254', 1), 0)[0], socket.gethostbyname('localhost'))"
+    )
+    script = (
+        f"mount --bind {hosts} /etc/hosts && RACK_HOSTS_FILE=/etc/hosts "
+        f'sh {REPO / "docker" / "rack-entry.sh"} hosts 4 {sys.executable} -c "{lookup}"'
+    )
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["rack-port3", "rack-aggregator", "127.0.0.1"], p.stdout
+    assert "::ffff:10.201.0.4 rack-port4" in hosts.read_text()

@@ -152,6 +152,14 @@ def test_delegated_collectives(collectives: list[dict[str, Any]]) -> None:
         assert r["broadcast_ok"] and r["allgather_ok"] and r["allgather_object_ok"] and r["barrier_ok"]
 
 
+def test_the_group_names_itself_switchagg_to_ddp(collectives: list[dict[str, Any]]) -> None:
+    """torch's own test_ddp_logging_data_cpu: DDP's logging data names the group's backend as
+    dist.get_backend does (c10d's ProcessGroup says "custom" for every out-of-tree backend)."""
+    for r in collectives:
+        assert r["ddp_logged_backend_name"] == "switchagg"
+        assert r["group_backend_names"] == ["switchagg", "switchagg"]
+
+
 def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         assert r["ddp_grads_nonzero"]

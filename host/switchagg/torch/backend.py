@@ -211,15 +211,16 @@ class StoreExchange:
             pass
 
 
-def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.Backend:
+def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     """The creator function c10d calls for init_process_group("switchagg") and new_group(): the C++
-    backend (c10d wraps it in its own ProcessGroup) around gloo and the group's Network."""
+    backend around gloo and the group's Network, in a ProcessGroup that names itself "switchagg"
+    (c10d's own would say "custom", e.g. to DDP's logging)."""
     # c10d hands each group a store prefixed with its own name, so the tag only names the job.
     tag = f"g{_next_group_tag()}"
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
     cpp = native.load()  # compiled before the data plane opens: a build error leaves nothing behind
     network = Network(store, rank, size, timeout, tag, gloo)
-    return cpp.create(rank, size, gloo, network)
+    return cpp.group(store, rank, size, cpp.create(rank, size, gloo, network), list(DEVICES))
 
 
 def backend_of(group: dist.ProcessGroup | None = None) -> Network:

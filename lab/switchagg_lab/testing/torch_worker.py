@@ -502,8 +502,6 @@ def scenario_cuda(rank: int, n: int, out_dir: Path) -> None:
         "sums_ok": ok,
         "network_calls": backend_of(pg).stats()["network"].get("allreduce", 0),
         "ddp_backend_network": backend_of(pg).stats()["network"].get("allreduce", 0) - before,
-        "ddp_logged_backend_name": logged.get("backend_name"),
-        "group_backend_names": [pg.name(), dist.get_backend(pg)],
         "ddp_backend_max_diff": max_diff(backend),
         "ddp_hook_max_diff": max_diff(hooked),
         "ddp_bound": bound,

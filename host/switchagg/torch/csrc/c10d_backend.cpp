@@ -111,6 +111,16 @@ class SwitchaggBackend : public c10d::Backend {
     return network_;
   }
 
+  // destroy_process_group() shuts the group's backends down: the data plane closes then, not at
+  // exit (Network.shutdown: when a hosting rank waits for its peers first).
+  void shutdown() override {
+    if (!pythonAlive()) {
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    network_.attr("shutdown")();
+  }
+
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts) override {

@@ -119,6 +119,8 @@ def test_debug_log_says_where(collectives: list[dict[str, Any]]) -> None:
         n = len(collectives)
         avg = f"float32 on cpu runs in the network (AVG: SUM in the network, then / {n} on each rank)"
         assert avg in log
+        hooked = f"float32 on cpu runs in the network (AVG: / {n} on each rank, then SUM in the network)"
+        assert hooked in log  # the DDP comm hook divides first, as torch's default hook does
         assert "allreduce float64 on cpu runs on gloo (dtype float64)" in log
         assert "allreduce int32 on cpu runs on gloo (op MAX)" in log
         assert "broadcast float32 on cpu runs on gloo" in log

@@ -2,7 +2,7 @@
 
 Both measurements use the one simple_switch_grpc running p4/switchagg.p4 in the namespace
 testbed of bmv2_tests (so: root, bmv2, a compiled program). Two endpoints each blast a bounded
-number of 314-byte frames as fast as Python can send them; bmv2 is the bottleneck and drops the
+number of frames (326 bytes) as fast as Python can send them; bmv2 is the bottleneck and drops the
 excess at its input, and the rate is what comes out the other side, measured at the receivers
 from first to last frame:
 
@@ -41,7 +41,7 @@ from switchagg_lab.testing.progress import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FRAME_LEN = 14 + 20 + 8 + protocol.packet_len(protocol.P4_K)  # 314 bytes, both kinds
+FRAME_LEN = 14 + 20 + 8 + protocol.packet_len(protocol.P4_K)  # both kinds (tests/test_docs.py)
 
 
 class Receiver(threading.Thread):

@@ -12,6 +12,7 @@
 #                                         address 10.201.0.254 (the software aggregator's)
 #   rack-entry.sh bmv2-switch N CMD...    the N cables stay bare; CMD gets "-i p@ifname" per port
 #                                         (before its first "--")
+#   rack-entry.sh hosts N CMD...          only the rack's names (as a worker gets them), then CMD
 set -eu
 
 role=$1
@@ -23,6 +24,23 @@ net=${RACK_CABLE_NET:-10.77}
 # The interface whose Docker address is in $net.<port>.0/24.
 cable() {
   ip -o -4 addr show | awk -v net="$net.$1." 'index($4, net) == 1 { print $2; exit }'
+}
+
+# The rack's addresses by name in /etc/hosts ($RACK_HOSTS_FILE), each also in its IPv4-mapped form:
+# c10d's store names every client so (getnameinfo), and without an entry the lookup goes to a DNS
+# server an internal network cannot reach: "The hostname of the client socket cannot be retrieved"
+# from every rank. $1: the ports to name (the rack's aggregator is named too).
+rack_hosts() {
+  {
+    echo "10.201.0.254 rack-aggregator"
+    echo "::ffff:10.201.0.254 rack-aggregator"
+    p=1
+    while [ "$p" -le "$1" ]; do
+      echo "10.201.0.$p rack-port$p"
+      echo "::ffff:10.201.0.$p rack-port$p"
+      p=$((p + 1))
+    done
+  } >>"${RACK_HOSTS_FILE:-/etc/hosts}"
 }
 
 bare() {  # $1: the interface; no Docker address, no checksum offload (bmv2 needs finished checksums)
@@ -38,7 +56,12 @@ worker)
   ip link set dev "$ifname" address "$(printf '02:5a:00:00:00:%02x' "$count")"
   ip addr add "10.201.0.$count/24" dev "$ifname"
   export GLOO_SOCKET_IFNAME="$ifname"
+  rack_hosts "${RACK_PORTS:-32}"
   echo "rack-entry: worker on switch port $count: $ifname 10.201.0.$count"
+  exec "$@"
+  ;;
+hosts)
+  rack_hosts "$count"
   exec "$@"
   ;;
 soft-switch)

@@ -238,6 +238,7 @@ def _worker(
             "TRAIN_ARGS": f"${{TRAIN_ARGS:-{TRAIN_ARGS[variant]}}}",
             "SWITCHAGG_JOB_SERVICE": f"{service_host}:{JOB_SERVICE_PORT}",
             "SWITCHAGG_WORKER_BIND": rack_ip(port),
+            "RACK_PORTS": str(n),  # rack-entry names the rack's addresses (c10d looks its peers up)
             "OMP_NUM_THREADS": "1",
         },
         "networks": {
@@ -479,9 +480,33 @@ def copy_files(files: Sequence[str], dest: Path) -> None:
         shutil.copy2(REPO / name, target)
 
 
+# What the docker CLI (23+) prints on stderr for every build with the legacy builder (an indented
+# continuation follows: how to install buildx, or that DOCKER_BUILDKIT=0 disabled it): a notice, not a
+# problem of the build. The builder is BuildKit where the engine has it (builder_env).
+LEGACY_BUILDER_NOTICE = re.compile(
+    r"^DEPRECATED: The legacy builder is deprecated.*\n(?:[ \t]+\S.*\n)*\n?", re.M
+)
+
+
+def builder_env() -> dict[str, str]:
+    """The environment of `docker build`: BuildKit (DOCKER_BUILDKIT=1) where the buildx component is
+    installed; else the CLI's own choice, the legacy builder. A DOCKER_BUILDKIT of the caller's wins."""
+    env = dict(os.environ)
+    if "DOCKER_BUILDKIT" not in env:
+        buildx = subprocess.run(["docker", "buildx", "version"], capture_output=True, check=False)
+        if buildx.returncode == 0:
+            env["DOCKER_BUILDKIT"] = "1"
+    return env
+
+
 def _build(dockerfile: Path, context: Path, tag: str, *args: str) -> None:
     argv = ["docker", "build", "-q", "--network", "host", "-f", str(dockerfile), *args, "-t", tag]
-    sh(*argv, str(context), stdout=subprocess.DEVNULL)
+    p = sh(
+        *argv, str(context), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=builder_env()
+    )
+    sys.stderr.write(LEGACY_BUILDER_NOTICE.sub("", p.stderr) if p.returncode == 0 else p.stderr)
+    if p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, argv, stderr=p.stderr)
 
 
 def build_images(variant: str, p4_image: str | None = None) -> None:

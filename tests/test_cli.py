@@ -304,3 +304,25 @@ def test_one_flag_name_per_idea_old_names_hidden(capsys: pytest.CaptureFixture[s
         )
     up = _subparser_help(testbed_parser(), "up")
     assert "{software,bmv2}" in up and "soft," not in up and "MBIT" not in up
+
+
+def test_a_refused_testbed_up_says_in_one_sentence_what_differs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`up` while a testbed of another shape is up: the flags that differ, not the raw spec."""
+    from switchagg_lab.testbed import testbed_cli
+
+    parser = testbed_cli.build_parser()
+    up = testbed_cli._spec(parser.parse_args(["up", "-n", "4"]))
+    monkeypatch.setattr(testbed_cli, "_check_tools", lambda spec: None)
+    monkeypatch.setattr(testbed_cli, "_load", lambda name: {"spec": up, "pids": {}})
+    monkeypatch.setattr(testbed_cli, "_healthy", lambda name, state: True)
+    monkeypatch.setattr(testbed_cli.os, "geteuid", lambda: 0)
+    assert testbed_cli.main(["up", "-n", "8", "--rate", "200mbit"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "switchagg-testbed: testbed sa is up with -n 4, --rate unset, not -n 8, --rate 200: "
+        "run `switchagg-testbed down --name sa` first"
+    ), err
+    assert testbed_cli.main(["up", "-n", "4"]) == 0  # the same shape: nothing to do
+    assert "up already" in capsys.readouterr().out

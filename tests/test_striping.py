@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from switchagg.aggregator import SoftwareAggregator
 from switchagg.session import Session
 from switchagg.striping import Shard, shard_bounds, shard_key
 from switchagg_lab.testing.kit import free_port
+from switchagg_lab.testing.reliability import Reliability
 
 K = 64
 SLOTS = 8
@@ -227,6 +229,14 @@ def test_a_rank_that_cannot_make_a_striped_call_aborts_it_everywhere() -> None:
     assert "int64" in str(results[1]), results[1]
 
 
+@pytest.mark.reliability(
+    "loss",
+    "striped job, 3 ranks x 3 shard aggregators (loopback): each aggregator drops 5% and duplicates 3% "
+    "of what it receives and sends, 6 allreduces",
+    sums=18,
+    recovery="every shard repairs its own losses",
+    state="nothing: the sessions go on",
+)
 def test_a_striped_job_survives_loss_and_duplicates_on_every_node() -> None:
     """The reliability suite's loss row on a striped job: each of 3 nodes drops 5% and duplicates
     3% of what it receives and sends; every shard repairs its own losses, every sum is exact."""
@@ -254,3 +264,77 @@ def test_a_striped_job_survives_loss_and_duplicates_on_every_node() -> None:
         for i, x in enumerate(res):
             want = (np.arange(20 * K + i, dtype=np.int64) + i) * (n * (n + 1) // 2)
             np.testing.assert_array_equal(x, want.astype(np.int32))
+
+
+RESTART_STEPS = 150
+
+
+@pytest.mark.reliability(
+    "aggregator restarted",
+    "striped job, 3 ranks x 3 shard aggregators (loopback): shard 1's aggregator stopped mid-job and "
+    f"restarted on its port with the shard's job (new generation), {RESTART_STEPS} allreduces",
+    state="a failed job's sessions are broken (open new ones); the restarted aggregator holds its shard",
+)
+def test_a_shard_aggregator_restarted_mid_job_gives_exact_sums_or_fails_cleanly(
+    reliability: Reliability,
+) -> None:
+    """docs/PROTOCOL.md, Striping: each shard is a call stream of its own, so a restarted shard
+    aggregator is the one-level case: its rounds no rank had finished are rebuilt from the resends,
+    else every rank fails with its session timeout, naming the shard. Never a wrong sum."""
+    n, m = 3, 3
+    aggs, workers = _striped_job(n, m)
+    done: list[list[tuple[float, int, np.ndarray]]] = [[] for _ in range(n)]
+
+    def value(r: int, step: int) -> np.ndarray:
+        return (np.arange(10 * K + step, dtype=np.int32) * (step + 1) + 1000 * r).astype(np.int32)
+
+    def body(r: int) -> object:
+        with _session(r, n, aggs, workers, timeout=3.0) as s:
+            for step in range(RESTART_STEPS):
+                x = value(r, step)
+                s.allreduce(x)
+                done[r].append((time.monotonic(), step, x))
+        return None
+
+    results: list[object] = []
+    runner = threading.Thread(target=lambda: results.extend(_ranks(n, body)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while min(len(d) for d in done) < 20 and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.002)
+        address = aggs[1].address
+        aggs[1].stop()  # mid-job: the ranks are in their next allreduces
+        killed = time.monotonic()
+        time.sleep(0.3)  # down a while: resends meet a closed port
+        aggs[1] = SoftwareAggregator(*address).start()
+        aggs[1].add_job(
+            JOB, n, 0, SLOTS, K, 2, [workers[r][1].address for r in range(n)], key=shard_key(0x5EC, 1)
+        )
+        runner.join(180)
+        assert not runner.is_alive(), "a rank hung"
+    finally:
+        for a in aggs:
+            a.stop()
+    checked = wrong = 0
+    for r in range(n):
+        for _, step, x in done[r]:
+            want = (
+                n * (np.arange(10 * K + step, dtype=np.int64) * (step + 1)) + 1000 * sum(range(n))
+            ).astype(np.int32)
+            checked += 1
+            wrong += not np.array_equal(x, want)
+    failed = [res for res in results if res is not None]
+    for res in failed:  # every failure is the timeout of the restarted shard, never another error
+        assert isinstance(res, _core.SwitchaggTimeout) and str(res).startswith("shard 1 of 3"), res
+    exact = not failed
+    after = [next((t for t, _, _ in d if t > killed), None) for d in done]
+    recovered = max(a for a in after if a is not None) - killed if exact and None not in after else None
+    reliability.record(
+        sums=checked,
+        wrong=wrong,
+        outcome="exact" if exact else "failed cleanly: every rank's session timeout names shard 1",
+        recovery_s=None if recovered is None else round(recovered, 2),
+        recovery=None if exact else "the session timeout (3 s)",
+    )
+    assert wrong == 0

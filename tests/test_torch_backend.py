@@ -115,14 +115,19 @@ def test_metrics_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) 
 def test_debug_log_says_where(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         log = r["log"]
-        assert "allreduce float32 on cpu runs in the network" in log
-        assert "allreduce bfloat16 on cpu runs in the network" in log
+        assert "allreduce float32 on cpu runs in the network (SUM)" in log
+        assert "allreduce bfloat16 on cpu runs in the network (SUM)" in log
+        n = len(collectives)
+        avg = f"float32 on cpu runs in the network (AVG: SUM in the network, then / {n} on each rank)"
+        assert avg in log
+        hooked = f"float32 on cpu runs in the network (AVG: / {n} on each rank, then SUM in the network)"
+        assert hooked in log  # the DDP comm hook divides first, as torch's default hook does
         assert "allreduce float64 on cpu runs on gloo (dtype float64)" in log
         assert "allreduce int32 on cpu runs on gloo (op MAX)" in log
         assert "broadcast float32 on cpu runs on gloo" in log
         # the first call of each kind per group only (the world group g1 made many)
         lines = log.splitlines()
-        assert sum("g1" in line and "float32 on cpu runs in the network" in line for line in lines) == 1
+        assert sum("g1" in line and "float32 on cpu runs in the network (SUM)" in line for line in lines) == 1
 
 
 def test_hook_fallback_is_counted_and_warned_once(collectives: list[dict[str, Any]]) -> None:
@@ -148,6 +153,14 @@ def test_coalesced_and_subgroup(collectives: list[dict[str, Any]]) -> None:
 def test_delegated_collectives(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         assert r["broadcast_ok"] and r["allgather_ok"] and r["allgather_object_ok"] and r["barrier_ok"]
+
+
+def test_the_group_names_itself_switchagg_to_ddp(collectives: list[dict[str, Any]]) -> None:
+    """torch's own test_ddp_logging_data_cpu: DDP's logging data names the group's backend as
+    dist.get_backend does (c10d's ProcessGroup says "custom" for every out-of-tree backend)."""
+    for r in collectives:
+        assert r["ddp_logged_backend_name"] == "switchagg"
+        assert r["group_backend_names"] == ["switchagg", "switchagg"]
 
 
 def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, Any]]) -> None:

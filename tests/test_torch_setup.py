@@ -4,6 +4,7 @@ and a real software aggregator, on the CPU and, where there is one, on a CUDA de
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -279,3 +280,53 @@ def test_cuda_backend_and_hook(tmp_path: Path) -> None:
         assert r["network_calls"] >= 4, r
         assert r["ddp_backend_max_diff"] <= r["ddp_bound"] and r["ddp_hook_max_diff"] <= r["ddp_bound"], r
         assert r["hook_network"] >= 1 and not r["hook_delegated"], r
+
+
+REINIT = """
+import json, os, socket, sys, time, torch, torch.distributed as dist
+from switchagg.torch import backend_of
+rank, out = int(os.environ["RANK"]), []
+for incarnation in range(2):
+    if incarnation and rank == 1:
+        time.sleep(3)  # rank 0 meets the store first, with the last incarnation's keys in it
+    dist.init_process_group("switchagg")
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    net = backend_of()
+    agg = net.data_plane.aggregator
+    address = agg.address if agg is not None else None
+    dist.destroy_process_group()
+    try:
+        net.data_plane
+        closed = False
+    except RuntimeError:
+        closed = True
+    port_free = None
+    if address is not None:  # the aggregator's socket is closed: its port can be bound again
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(tuple(address))
+            port_free = True
+    out.append({"sum": t.tolist(), "closed": closed, "port_free": port_free})
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_reinit_under_torchrun_and_destroy_closes_the_data_plane(tmp_path: Path) -> None:
+    """init_process_group("switchagg") twice in the same processes under torchrun, whose agent's store
+    outlives the first group: each incarnation has keys of its own (gloo's, the exchange's, the
+    heartbeats'), so the second starts however the ranks arrive; destroy_process_group() closes each
+    rank's data plane and rank 0's embedded aggregator."""
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(script), str(tmp_path / "out")]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"SWITCHAGG_TIMEOUT": "5"}
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert [r["sum"] for r in runs] == [[3.0] * 5] * 2
+        assert all(r["closed"] for r in runs), runs
+        assert [r["port_free"] for r in runs] == ([True, True] if rank == 0 else [None, None]), runs

@@ -4,8 +4,9 @@
 
 The input is what the tests marked ``@pytest.mark.reliability`` wrote through
 switchagg_lab.testing.reliability when ``$SWITCHAGG_RELIABILITY_OUT`` named the file (``make
-reliability`` does both steps): one JSON line per row. Rows of one fault and one description (a
-parametrized test) are merged; the table lists the faults in the order of
+reliability`` does both steps): one JSON line per row. A test run again (the file appended to,
+or several files) counts once: only its latest run's rows are kept. Rows of one fault and one
+description (a parametrized test) are merged; the table lists the faults in the order of
 switchagg_lab.testing.reliability.FAULTS, says which have no row, and totals runs, sums checked and
 wrong sums. Exit status 1 when a row has wrong sums or a test failed, so that ``make`` fails too.
 """
@@ -44,6 +45,19 @@ def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 except json.JSONDecodeError as e:
                     raise SystemExit(f"{path}:{n}: not a JSON line: {e}") from None
     return rows
+
+
+def latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of each test's latest run: a test's rows are written together at its end, tagged
+    with the pytest session that ran it (older files: a run is a block of consecutive lines)."""
+    run_of: list[Any] = []
+    block, previous = 0, None
+    for r in rows:
+        if r.get("test") != previous:
+            block, previous = block + 1, r.get("test")
+        run_of.append(r.get("session") or f"block {block}")
+    last = {r.get("test"): run for r, run in zip(rows, run_of, strict=True)}
+    return [r for r, run in zip(rows, run_of, strict=True) if last[r.get("test")] == run]
 
 
 def _unique(values: Iterable[Any]) -> list[Any]:
@@ -95,7 +109,7 @@ def merge(group: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in latest(rows):
         groups.setdefault((r.get("fault", "?"), r.get("tried", "")), []).append(r)
     merged = [merge(g) for g in groups.values()]
     order = {f: i for i, f in enumerate(FAULTS)}
@@ -112,7 +126,7 @@ def _line(cells: Sequence[Any]) -> str:
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
-def render(rows: list[dict[str, Any]], command: str) -> str:
+def render(rows: list[dict[str, Any]], command: str, note: str = "") -> str:
     merged = table_rows(rows)
     ran = [m for m in merged if m["status"] != "skipped"]
     runs = sum(m["runs"] for m in ran)
@@ -123,8 +137,8 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     failed = [m for m in merged if m["status"] == "failed"]
     skipped = [m for m in merged if m["status"] == "skipped"]
     missing = [f for f in FAULTS if not any(m["fault"] == f for m in merged)]
-    tests = _unique(t for r in rows for t in [r.get("test")])
-    statuses = [r.get("status") for r in rows]
+    tests = _unique(t for m in merged for t in m["tests"])
+    statuses = [m["status"] for m in merged]
     wrong_total = f"{wrong_known}{' + unknown (a failed test)' if unknown_wrong else ''}"
     out = [
         "# Reliability",
@@ -139,7 +153,7 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
         "",
         f"Generated {datetime.date.today().isoformat()} by `{command}`: {len(tests)} tests, "
         f"{statuses.count('passed')} rows passed, {statuses.count('skipped')} skipped, "
-        f"{statuses.count('failed')} failed.",
+        f"{statuses.count('failed')} failed.{' ' + note if note else ''}",
         "",
         f"**Totals: {runs} runs, {sums}{'+' if unknown_sums else ''} sums checked, {wrong_total} wrong "
         f"sums; {len(failed)} rows failed, {len(skipped)} rows skipped.**",
@@ -176,7 +190,7 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
     out += ["", "## The tests behind each row", ""]
     for m in merged:
         names = ", ".join(f"`{t}`" for t in m["tests"])
-        out.append(f"- {m['fault']}, {m['tried'].split(':')[0]}: {names}")
+        out.append(f"- {m['fault']}, {m['tried']}: {names}")
     return "\n".join(out) + "\n"
 
 
@@ -185,12 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", type=Path, help="JSON-lines files the suite wrote")
     p.add_argument("-o", "--output", type=Path, help="where to write the markdown (default: stdout)")
     p.add_argument("--command", default="make reliability", help="the command named as the source")
+    p.add_argument(
+        "--note", default="", help="a sentence after the header's counts (where the rows came from)"
+    )
     args = p.parse_args(argv)
     rows = load(args.inputs)
     if not rows:
         print("no rows: did the suite run with $SWITCHAGG_RELIABILITY_OUT set?", file=sys.stderr)
         return 1
-    text = render(rows, args.command)
+    text = render(rows, args.command, args.note)
     if args.output:
         args.output.write_text(text)
     else:

@@ -98,6 +98,7 @@ class Network:
         self._plane.session.torch_calls = self.calls
         self._stager = Stager(self._plane.lanes.allreduce_async, chunk_elements(self._plane.lanes.k))
         self._watch.start()
+        self._store = store  # shutdown(): who has left
         atexit.register(self.close)
 
     @property
@@ -123,6 +124,21 @@ class Network:
             self._watch.close()
             plane.close()
 
+    def shutdown(self) -> None:
+        """destroy_process_group() (the C++ backend's shutdown): the data plane closes. A rank that
+        hosts an aggregator first waits, up to SWITCHAGG_TIMEOUT, for every rank to get here: a peer
+        still repairing a lost result of its last call needs it."""
+        plane, left = self._plane, f"{EXCHANGE_PREFIX}-left/"
+        try:
+            self._store.set(f"{left}{self.rank}", "1")
+            if plane is not None and plane.aggregator is not None:
+                self._store.wait(
+                    [f"{left}{r}" for r in range(self.size)], timedelta(seconds=session_timeout())
+                )
+        except Exception:  # noqa: BLE001 (a peer that never leaves, or a store gone: close anyway)
+            pass
+        self.close()
+
     # Called by the C++ backend, with the GIL, from the thread that issued the collective.
 
     def delegated(self, op: str, tensor: torch.Tensor | None) -> None:
@@ -143,9 +159,10 @@ class Network:
         if why:
             self.calls.record(op, ON_GLOO, first_tensor(tensors), why)
             return False
-        self.calls.record(op, NETWORK, tensors[0])
         average = red_op == dist.ReduceOp.AVG
         divide_by = self.size if average else 1
+        how = f"AVG: SUM in the network, then / {divide_by} on each rank" if average else "SUM"
+        self.calls.record(op, NETWORK, tensors[0], how=how)
         # Numbered and described even when empty, so that every rank's numbers stay in step.
         _, description = self.identity.next("AVG" if average else "SUM", tensors)
         if sum(t.numel() for t in tensors) == 0:
@@ -215,15 +232,26 @@ class StoreExchange:
             pass
 
 
-def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.Backend:
+def create_backend(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     """The creator function c10d calls for init_process_group("switchagg") and new_group(): the C++
-    backend (c10d wraps it in its own ProcessGroup) around gloo and the group's Network."""
+    backend around gloo and the group's Network, in a ProcessGroup that names itself "switchagg"
+    (c10d's own would say "custom", e.g. to DDP's logging)."""
     # c10d hands each group a store prefixed with its own name, so the tag only names the job.
     tag = f"g{_next_group_tag()}"
+    store = dist.PrefixStore(f"{incarnation(store, size)}/", store)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
     cpp = native.load()  # compiled before the data plane opens: a build error leaves nothing behind
     network = Network(store, rank, size, timeout, tag, gloo)
-    return cpp.create(rank, size, gloo, network)
+    return cpp.group(store, rank, size, cpp.create(rank, size, gloo, network), list(DEVICES))
+
+
+def incarnation(store: dist.Store, size: int) -> int:
+    """Which time a group of this name is made on this store. Re-made under the same name on a store
+    that outlived it (destroy_process_group, then init_process_group again under torchrun, whose
+    agent keeps the store), it must not meet the last one's keys: gloo's rendezvous, the exchange
+    and the heartbeats each take the incarnation's prefix. Every rank adds 1 before it reads any
+    key, so value // size is the same on every rank of one incarnation."""
+    return (int(store.add("switchagg/incarnations", 1)) - 1) // size
 
 
 def backend_of(group: dist.ProcessGroup | None = None) -> Network:

@@ -1,8 +1,10 @@
 """Where each collective ran: counters per op and path (network or delegated to gloo) and the log.
 
 ``SWITCHAGG_DEBUG=INFO`` (or the logging module: logger ``switchagg.torch``) logs the first call of
-each (op, dtype, device, path) of a group, with the reason when it was delegated; ``DEBUG`` logs
-every call; ``WARN`` (the default) only what needs attention, such as DDP gradients that fall back.
+each (op, dtype, device, path, SUM or AVG) of a group, with the reason when it was delegated and,
+in the network, how it was reduced (an AVG: SUM in the network, then divided on each rank);
+``DEBUG`` logs every call; ``WARN`` (the default) only what needs attention, such as DDP gradients
+that fall back.
 """
 
 from __future__ import annotations
@@ -67,16 +69,18 @@ class CallLog:
         self._seen: set[tuple[str, str, str, str]] = set()
         self._lock = threading.Lock()
 
-    def record(self, op: str, path: str, tensor: torch.Tensor | None, why: str = "") -> bool:
-        """Counts the call; True the first time this (op, dtype, device, path) is seen."""
+    def record(self, op: str, path: str, tensor: torch.Tensor | None, why: str = "", how: str = "") -> bool:
+        """Counts the call; True the first time this (op, dtype, device, path, how) is seen. ``why``:
+        why it ran on gloo; ``how``: the reduction and where each step of it ran (an AVG is a SUM in
+        the network, then a division on every rank), logged in its place."""
         dtype, device = describe(tensor)
-        key = (op, dtype, device, path)
+        key = (op, dtype, device, path + how)
         with self._lock:
             self.counts[path][op] += 1
             first = key not in self._seen
             self._seen.add(key)
         if first and log.isEnabledFor(logging.INFO):
-            because = f" ({why})" if why else ""
+            because = f" ({why or how})" if why or how else ""
             log.info("%s: %s %s on %s runs %s%s", self.group, op, dtype, device, _where(path), because)
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s %s on %s: %s", self.group, op, dtype, device, path)

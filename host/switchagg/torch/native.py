@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -46,10 +47,27 @@ def module_name() -> str:
 
 
 def build_directory() -> Path:
-    from torch.utils import cpp_extension
+    # cpp_extension.get_default_build_root(), without importing cpp_extension: its import looks for
+    # CUDA and, with a CUDA build of torch on a machine without a GPU, warns "No CUDA runtime is
+    # found" in every rank. Only a build (once) imports it.
+    from torch import _appdirs  # what get_default_build_root() asks
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(
+        _appdirs.user_cache_dir(appname="torch_extensions")
+    )
     return Path(root) / module_name()
+
+
+def _cpp_extension() -> ModuleType:
+    """torch.utils.cpp_extension, imported without its CUDA notice: the backend is CPU-only."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
 
 
 def load() -> ModuleType:
@@ -77,8 +95,7 @@ def _import_built() -> ModuleType | None:
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     _put_ninja_on_path()
     where = build_directory()
     where.mkdir(parents=True, exist_ok=True)

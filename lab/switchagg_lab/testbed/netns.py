@@ -10,7 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +56,17 @@ def namespaces() -> list[str]:
 
 
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc
+
+
+def hosts_text(names: Iterable[tuple[str, str]]) -> str:
+    """An /etc/hosts for a namespace: localhost and each (IPv4 address, name), each address also in its
+    IPv4-mapped IPv6 form. c10d's store accepts on an IPv6 socket and names every client by that
+    form (getnameinfo); without an entry the lookup goes to a DNS server the namespace cannot reach,
+    and every rank prints "The hostname of the client socket cannot be retrieved" (EAI_AGAIN)."""
+    pairs = [("127.0.0.1", "localhost"), *names]
+    return "".join(f"{ip} {name}\n" for ip, name in pairs) + "".join(
+        f"::ffff:{ip} {name}\n" for ip, name in pairs
+    )
 
 
 def add_netns(name: str, hosts: str | None = None) -> None:

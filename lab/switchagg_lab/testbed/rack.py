@@ -151,10 +151,8 @@ class Testbed(netns.Bed):
 
     def _hosts(self) -> str:
         """/etc/hosts inside the namespaces: names for every address (torch looks its peers up)."""
-        lines = ["127.0.0.1 localhost", f"{self.agg_ip} switch"]
-        lines += [f"{e.ip} h{e.index}" for e in self.endpoints]
-        lines += [f"{e.ip} r{e.index}" for e in self.reducer_hosts]
-        return "\n".join(lines) + "\n"
+        names = [(self.agg_ip, "switch")] + [(e.ip, f"h{e.index}") for e in self.endpoints]
+        return netns.hosts_text(names + [(e.ip, f"r{e.index}") for e in self.reducer_hosts])
 
     def start(self) -> None:
         """Builds the namespaces and links, then starts bmv2 (bmv2 data plane)."""

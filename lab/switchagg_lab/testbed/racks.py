@@ -104,8 +104,8 @@ class Racks(netns.Bed):
         self._made: list[str] = []
 
     def _ns(self, name: str) -> None:
-        hosts = ["127.0.0.1 localhost", f"{SPINE_IP} spine"] + [f"{w.ip} h{w.index}" for w in self.workers]
-        netns.add_netns(name, "\n".join(hosts) + "\n")  # torch looks its peers up
+        hosts = [(SPINE_IP, "spine")] + [(w.ip, f"h{w.index}") for w in self.workers]
+        netns.add_netns(name, netns.hosts_text(hosts))  # torch looks its peers up
         self._made.append(name)
 
     def _bridge(self, ns: str, ip: str) -> None:

@@ -100,6 +100,44 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# The flag of each spec key, to say what a refused `up` asked for differently.
+SPEC_FLAGS = {
+    "n": "-n",
+    "data_plane": "--data-plane",
+    "rate_mbit": "--rate",
+    "mtu": "--mtu",
+    "sw_k": "--sw-k",
+    "sw_slots": "--sw-slots",
+    "racks": "--racks",
+    "uplink_rate_mbit": "--uplink-rate",
+    "reducers": "--reducers",
+}
+
+
+def _flag_value(key: str, value: Any) -> str:
+    if value is None or value == 0 and key == "reducers":
+        return "unset"
+    if key == "data_plane":
+        return "software" if value == "soft" else str(value)
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def spec_difference(name: str, up: dict[str, Any], asked: dict[str, Any]) -> str:
+    """One sentence: how the testbed that is up differs from the one asked for."""
+    keys = [k for k in SPEC_FLAGS if up.get(k) != asked.get(k)]
+    keys += sorted(k for k in set(up) | set(asked) if k not in SPEC_FLAGS and up.get(k) != asked.get(k))
+
+    def flags(spec: dict[str, Any]) -> str:
+        return ", ".join(f"{SPEC_FLAGS.get(k, k)} {_flag_value(k, spec.get(k))}" for k in keys)
+
+    return (
+        f"testbed {name} is up with {flags(up)}, not {flags(asked)}: "
+        f"run `switchagg-testbed down --name {name}` first"
+    )
+
+
 def _bed(name: str, spec: dict[str, Any]) -> Testbed | Racks:
     if spec.get("racks"):
         return Racks(
@@ -178,7 +216,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if state["spec"] == spec:
             print(f"testbed {args.name} is up already (nothing changed)")
             return 0
-        raise CliError(f"testbed {args.name} is up with {state['spec']}; run `switchagg-testbed down` first")
+        raise CliError(spec_difference(args.name, state["spec"], spec))
     _down(args.name)  # whatever a crashed or half-built run left
     workdir = _dir(args.name)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,8 @@ FAULTS = (
 FIELDS = ("fault", "tried", "runs", "sums", "wrong", "outcome", "recovery_s", "recovery", "state", "note")
 
 _ROWS = pytest.StashKey[list[dict[str, Any]]]()
+# Which pytest run wrote a row: the table keeps only each test's latest run (tools/reliability_table.py).
+_SESSION = pytest.StashKey[str]()
 
 
 class Reliability:
@@ -131,7 +133,8 @@ def _emit(item: pytest.Item, report: pytest.TestReport) -> None:
             row["outcome"] = "test failed"
             if item.stash.get(_ROWS, None) is None:  # it never said how many sums were wrong
                 row["wrong"] = None
-        row.update(test=item.nodeid, status=status, seconds=round(report.duration, 2))
+        session = item.config.stash.setdefault(_SESSION, f"{time.time():.6f}-{os.getpid()}")
+        row.update(test=item.nodeid, status=status, seconds=round(report.duration, 2), session=session)
         lines.append(json.dumps(row, sort_keys=True))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

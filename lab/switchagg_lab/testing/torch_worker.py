@@ -270,8 +270,10 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     bound = 2 * protocol.error_bound(n, e)  # the sum's bound, plus gloo's own rounding
 
     before = network_allreduces(pg)
-    backend = grads(DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB), x)
+    on_switchagg = DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB)
+    backend = grads(on_switchagg, x)
     backend_calls = network_allreduces(pg) - before
+    logged = on_switchagg._get_ddp_logging_data()  # what torch's test_ddp_logging_data_cpu reads
 
     state = satorch.SwitchaggHookState(gloo_group)
     hooked = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
@@ -302,6 +304,8 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     hook_stats = state.stats()
 
     return {
+        "ddp_logged_backend_name": logged.get("backend_name"),
+        "group_backend_names": [pg.name(), dist.get_backend(pg)],
         "ddp_backend_max_diff": max_diff(backend),
         "ddp_hook_max_diff": max_diff(hooked_grads),
         "ddp_bound": bound,

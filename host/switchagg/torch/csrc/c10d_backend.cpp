@@ -1,6 +1,7 @@
 // The "switchagg" c10d backend (docs/TORCH.md), a C++ c10d::Backend as torch's third-party backends
 // are (the custom process group backend tutorial, oneCCL's and UCC's bindings). c10d's own
-// ProcessGroup wraps it, so every collective reaches it from C++ with the GIL released.
+// ProcessGroup (SwitchaggProcessGroup: c10d's own, named "switchagg") holds it, so every collective
+// reaches it from C++ with the GIL released.
 //
 // An allreduce the network can sum goes to the Python data plane (switchagg.torch.backend.Network:
 // the session, lanes, striping and staging live there, over the C packet engine); the Python side
@@ -10,6 +11,7 @@
 // and deadlocked against a gloo thread that freed a finished work's tensors).
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -107,6 +109,16 @@ class SwitchaggBackend : public c10d::Backend {
 
   py::object network() const {
     return network_;
+  }
+
+  // destroy_process_group() shuts the group's backends down: the data plane closes then, not at
+  // exit (Network.shutdown: when a hosting rank waits for its peers first).
+  void shutdown() override {
+    if (!pythonAlive()) {
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    network_.attr("shutdown")();
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(
@@ -306,6 +318,34 @@ c10::intrusive_ptr<c10d::Backend> create(
   return c10::make_intrusive<SwitchaggBackend>(rank, size, std::move(gloo), std::move(network));
 }
 
+// c10d's ProcessGroup as torch makes it for a backend, but named: the base class calls every
+// out-of-tree backend "custom", which is what DDP's logging data (backend_name), c10d's errors and
+// tools that read them would say. Only the name differs; collectives dispatch to the backend.
+class SwitchaggProcessGroup : public c10d::ProcessGroup {
+ public:
+  using c10d::ProcessGroup::ProcessGroup;
+
+  const std::string getBackendName() const override {
+    return kName;
+  }
+};
+
+// The group c10d's creator function returns (a ProcessGroup subclass: c10d uses it as the group),
+// with the backend for each of the devices the backend was registered for.
+c10::intrusive_ptr<SwitchaggProcessGroup> group(
+    c10::intrusive_ptr<c10d::Store> store,
+    int rank,
+    int size,
+    c10::intrusive_ptr<c10d::Backend> backend,
+    const std::vector<std::string>& devices) {
+  auto pg = c10::make_intrusive<SwitchaggProcessGroup>(std::move(store), rank, size);
+  for (const auto& device : devices) {
+    pg->setBackend(c10::Device(device).type(), c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  }
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  return pg;
+}
+
 SwitchaggBackend& ours(const c10::intrusive_ptr<c10d::Backend>& backend) {
   auto* mine = dynamic_cast<SwitchaggBackend*>(backend.get());
   TORCH_CHECK(mine != nullptr, "not a switchagg backend: ", backend->getBackendName());
@@ -318,4 +358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");  // c10d's types (Backend, ReduceOp) are registered there
   m.def("create", &create, "A switchagg c10d Backend around an inner gloo backend and its Python network side");
   m.def("network_of", [](const c10::intrusive_ptr<c10d::Backend>& b) { return ours(b).network(); });
+  py::class_<SwitchaggProcessGroup, c10d::ProcessGroup, c10::intrusive_ptr<SwitchaggProcessGroup>>(
+      m, "SwitchaggProcessGroup");
+  m.def("group", &group, "c10d's ProcessGroup named \"switchagg\", holding the backend for these devices");
 }

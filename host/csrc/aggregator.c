@@ -445,6 +445,7 @@ static int open_socket(struct sa_agg *a, int i, struct sockaddr_in *sa, const ch
     int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return SA_ERR_SYS;
     a->th[i].fd = fd;
+    if (sa_set_dont_fragment(fd) != 0) return SA_ERR_SYS; /* results leave whole or not at all */
     sa_set_sockbuf(fd, 64 << 20);
     if (a->nthreads > 1) {
         int one = 1;

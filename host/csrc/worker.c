@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -34,6 +35,7 @@
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
+#define TLP_MIN_NS 200000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };
 
@@ -78,6 +80,7 @@ int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, 
     if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) return -2;
     socklen_t sl = sizeof w->local;
     getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
+    if (sa_set_dont_fragment(w->fd) != 0) return -2;
     sa_set_sockbuf(w->fd, 16 << 20);
     if (rcvbuf > 0) (void)setsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
     return 0;
@@ -108,6 +111,14 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
                     c->agg_port);
     /* connect(): the kernel then only delivers datagrams from the aggregator to us. */
     if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return -2;
+    /* DF is set (sa_worker_open): a datagram larger than the path MTU would fail every send with
+     * EMSGSIZE, and a fragmented one would be lost with any of its frames. Say so now. */
+    w->path_mtu = sa_path_mtu(w->fd);
+    if (w->path_mtu > 0 && SA_HEADER_LEN + 4 * (size_t)c->k + SA_IPV4_UDP_HEADERS > (size_t)w->path_mtu)
+        return sa_fail(err, errlen, "K=%d makes %d-byte IP packets, more than the MTU of %d bytes on the path to "
+                    "%s:%d (packets are never fragmented): use K <= %d, or leave K unset to choose it from the MTU",
+                    c->k, SA_HEADER_LEN + 4 * c->k + SA_IPV4_UDP_HEADERS, w->path_mtu, c->agg_host, c->agg_port,
+                    (w->path_mtu - SA_IPV4_UDP_HEADERS - SA_HEADER_LEN) / 4);
     free_bufs(w);
     w->pkt_len = SA_HEADER_LEN + 4 * (size_t)c->k;
     w->sets = calloc((size_t)c->slot_count, 1);
@@ -161,6 +172,8 @@ typedef struct {
     size_t outstanding; /* sent and unanswered, at most w->window */
     uint64_t seq;         /* first transmissions so far (resends keep their packet's place) */
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
+    uint64_t last_start;  /* ns: the latest first transmission */
+    int probed;           /* a tail loss probe went out since the latest result: the timer takes over */
 } run_t;
 
 
@@ -314,6 +327,7 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->sent_at = now;
     s->retried = 0;
     s->seq = ++r->seq;
+    r->last_start = now;
     s->passed = 0;
     s->fast_done = 0;
     r->outstanding++;
@@ -428,6 +442,38 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     return i;
 }
 
+/* When a tail loss probe is due (RACK-TLP, RFC 8985 7): two smoothed round trips after the latest
+ * result or first transmission, whichever came last, if packets are outstanding and none was probed
+ * since. RACK needs FAST_RETRANSMIT later packets answered to call one lost, and the last packets of
+ * a call (or a window whose every packet was lost) have none: without a probe they wait for the
+ * retransmission timer. 0: no probe is armed. */
+static uint64_t probe_due(const run_t *r) {
+    const struct sa_worker *w = r->w;
+    if (r->probed || r->outstanding == 0 || w->srtt_ns == 0) return 0;
+    uint64_t pto = 2 * w->srtt_ns < TLP_MIN_NS ? TLP_MIN_NS : 2 * w->srtt_ns, rto = current_rto(w);
+    if (pto > rto) pto = rto;
+    return (r->last_result > r->last_start ? r->last_result : r->last_start) + pto;
+}
+
+/* The probe: the oldest outstanding packet again (results come in first-send order, so it is the
+ * likeliest lost). Its answer, or that of the resend the aggregator unicasts, re-arms RACK. */
+static size_t tail_probe(run_t *r, size_t *out) {
+    size_t best = r->active;
+    for (size_t i = 0; i < r->active; i++) {
+        const slot_t *s = &r->slots[i];
+        if (s->phase == SLOT_DONE || s->queued) continue;
+        if (best == r->active || s->seq < r->slots[best].seq) best = i;
+    }
+    r->probed = 1;
+    if (best == r->active) return 0;
+    r->slots[best].retried = 1; /* Karn: no round-trip sample from it */
+    r->slots[best].fast_done = 1; /* one early resend per round, as a fast retransmit */
+    r->w->stats.tail_probes++;
+    r->w->stats.retransmits++;
+    out[0] = best;
+    return 1;
+}
+
 /* One call: an allreduce of r->len elements, or (abort) one ABORT packet on chunk 0's slot, sent
  * until the round it poisons comes back, so that every peer in the call fails it too. */
 static int run_call(run_t *r, int abort) {
@@ -466,9 +512,12 @@ static int run_call(run_t *r, int abort) {
     struct iovec iov[BATCH];
     while (r->done < r->active) {
         now = sa_now_ns();
-        int wait_ms = next_scan > now ? (int)((next_scan - now) / 1000000) + 1 : 0;
+        uint64_t wake = next_scan, probe = probe_due(r);
+        if (probe && probe < wake) wake = probe;
+        uint64_t wait_ns = wake > now ? wake - now : 0; /* ns: round trips on a LAN are well under 1 ms */
+        struct timespec ts = {.tv_sec = (time_t)(wait_ns / 1000000000u), .tv_nsec = (long)(wait_ns % 1000000000u)};
         struct pollfd pfd[2] = {{.fd = w->fd, .events = POLLIN}, {.fd = w->cancel_fd, .events = POLLIN}};
-        int pr = poll(pfd, 2, wait_ms);
+        int pr = ppoll(pfd, 2, &ts, NULL);
         if (pr < 0 && errno != EINTR) {
             rc = SA_CALL_OSERROR;
             break;
@@ -513,6 +562,7 @@ static int run_call(run_t *r, int abort) {
                 }
                 w->stats.results++;
                 last_progress = r->last_result = now;
+                r->probed = 0;
                 r->outstanding--;
                 note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
@@ -525,6 +575,11 @@ static int run_call(run_t *r, int abort) {
             break;
         }
         now = sa_now_ns();
+        probe = probe_due(r);
+        if (probe && now >= probe && (nq = tail_probe(r, queue)) && send_slots(r, queue, nq) < 0) {
+            rc = SA_CALL_OSERROR;
+            break;
+        }
         if (now >= next_scan) { /* retransmit what timed out, with exponential backoff */
             nq = 0;
             uint64_t soonest = now + w->rto_max_ns;
@@ -542,6 +597,7 @@ static int run_call(run_t *r, int abort) {
                 if (due < soonest) soonest = due;
             }
             w->stats.retransmits += nq;
+            w->stats.timeouts += nq;
             if (nq && send_slots(r, queue, nq) < 0) {
                 rc = SA_CALL_OSERROR;
                 break;

@@ -10,6 +10,8 @@
 struct sa_worker_stats {
     unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
     unsigned long long spurious; /* fast retransmits found unneeded: their round was answered twice */
+    unsigned long long tail_probes; /* resends of a tail loss probe (RACK-TLP): no result for 2 round trips */
+    unsigned long long timeouts;    /* resends of the retransmission timer */
 };
 
 struct sa_worker {
@@ -29,6 +31,7 @@ struct sa_worker {
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
+    int path_mtu;  /* the route's MTU toward the aggregator (IP_MTU after connect), 0 if unknown */
     uint8_t *sets; /* per slot: the shadow set of its next round, kept across calls */
     uint8_t *pkts; /* per slot: the outstanding packet */
     uint8_t *rx;   /* receive buffers */

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from switchagg import protocol
 from switchagg_lab.testbed.tools import tool_env
 
 _CLONE_NEWNET = 0x40000000
@@ -165,6 +164,15 @@ def link_stats(ns: str, ifname: str) -> dict[str, int]:
     return dict(zip(("bytes", "packets", "dropped", "overlimits"), map(int, m.groups()), strict=True))
 
 
+LOSS_SCALE = 100_000  # numgen's range: loss in steps of 0.001%
+
+
+def loss_rule(percent: float) -> str:
+    """An nftables netdev rule that drops ``percent``% of the IPv4 frames it sees, counted."""
+    below = round(percent * LOSS_SCALE / 100)
+    return f"meta protocol ip numgen random mod {LOSS_SCALE} < {below} counter drop"
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A worker host: its own namespace with ``eth0`` cabled to switch port ``port``."""
@@ -198,34 +206,36 @@ class Endpoint:
     def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
         return subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], text=True, **kw)
 
-    def set_loss(self, percent: int) -> None:
-        """Drops ``percent``% of aggregation packets leaving and arriving here (nftables numgen random)."""
+    def set_loss(self, percent: float) -> None:
+        """Drops ``percent``% of the IPv4 frames leaving and arriving here (nftables numgen random),
+        whatever they carry: any fragment of a datagram, a result, gloo's TCP, as congestion and bad
+        optics drop frames, not datagrams. Resolution 0.001%; 0 removes the rules."""
         if not 0 <= percent <= 100:
             raise ValueError(f"loss must be 0..100 percent, not {percent}")
         sh("nft", "delete table netdev saloss", ns=self.ns, check=False)
         if percent == 0:
             return
         # netdev egress/ingress hooks on eth0: a drop there is silent to the sender, like a loss
-        # on the wire (an inet output-hook drop would fail the worker's sendmsg with EPERM).
-        port = protocol.UDP_PORT
+        # on the wire (an inet output-hook drop would fail the worker's sendmsg with EPERM). Every
+        # IPv4 frame, not `udp dport`: that matches a datagram's first fragment only.
         rules = (
             "table netdev saloss {\n"
             f"  chain outbound {{\n    type filter hook egress device {self.ifname} priority 0;\n"
             "    policy accept;\n"
-            f"    udp dport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
+            f"    {loss_rule(percent)}\n  }}\n"
             f"  chain inbound {{\n    type filter hook ingress device {self.ifname} priority 0;\n"
             "    policy accept;\n"
-            f"    udp sport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
+            f"    {loss_rule(percent)}\n  }}\n"
             "}\n"
         )
         sh("nft", "-f", "-", ns=self.ns, stdin=rules, timeout=30)
 
     def lost(self) -> int:
-        """Packets the loss rules dropped so far (both directions)."""
+        """Frames the loss rules dropped so far (both directions)."""
         return sum(self.lost_each_way())
 
     def lost_each_way(self) -> tuple[int, int]:
-        """Packets the loss rules dropped so far: (leaving, arriving)."""
+        """Frames the loss rules dropped so far: (leaving, arriving)."""
         out = sh("nft", "list table netdev saloss", ns=self.ns, check=False)
         counts = {
             chain: int(n)

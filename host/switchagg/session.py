@@ -148,7 +148,8 @@ class Session:
         while len(workers) < len(shards):  # shard 0 on the given port, the others on free ones
             workers.append(_core.Worker(bind[0], 0 if workers else bind[1], rcvbuf))
         if k is None:
-            k = min(protocol.k_for_mtu(path_mtu(w.address[0], s.aggregator)) for s, w in zip(shards, workers))
+            mtus = [path_mtu(w.address[0], s.aggregator) for s, w in zip(shards, workers, strict=True)]
+            k = protocol.k_for_mtu(min(mtus))
         for shard, w in zip(shards, workers, strict=True):
             _configure(w, shard, job, rank, world_size, k, rto, rto_max, timeout)
         self._worker = workers[0]

@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop PCT%% of the IPv4 frames each way on every worker link (nftables; fragments too)",
     )
     p.add_argument(
-        "--sw-k", type=int, help="K of the software aggregator (default: the most one frame of the MTU carries)"
+        "--sw-k", type=int, help="K of the software aggregator (default: the most one frame carries)"
     )
     p.add_argument(
         "--sw-slots",

@@ -36,8 +36,10 @@
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
 #define TLP_MIN_NS 200000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
+#define TLP_MAX_SHIFT 8   /* spurious probes double the wait, up to 256 times (the timer bounds it anyway) */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };
+enum { WATCH_FAST = 1, WATCH_PROBE = 2 };
 
 typedef struct {
     int64_t chunk;     /* chunk index this slot currently carries */
@@ -48,11 +50,12 @@ typedef struct {
     uint64_t seq;      /* order of its first transmission: the order every worker sends, so results come in it */
     int passed;        /* results of packets sent after it that came back before its own */
     int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
+    int probe;         /* resent as a tail loss probe this round: RACK leaves it to the timer then */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
-    /* Its last round (on the set before sets[slot]) was fast-retransmitted: a second RESULT of that
-     * round (the stored result the aggregator unicasts to a resend that reached a complete slot)
-     * shows the resend was spurious. */
+    /* Its last round (on the set before sets[slot]) was fast-retransmitted (WATCH_FAST) or probed
+     * (WATCH_PROBE): a second RESULT of that round (the stored result the aggregator unicasts to a
+     * resend that reached a complete slot) shows the resend was spurious. */
     int watch;
     uint32_t watch_offset;
 } slot_t;
@@ -151,6 +154,7 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     w->timeout_ns = (uint64_t)(c->timeout * 1e9);
     w->srtt_ns = w->rttvar_ns = 0;
     w->reo_steps = w->reo_clean = 0;
+    w->tlp_shift = w->tlp_clean = 0;
     w->configured = 1;
     w->broken = 0;
     return 0;
@@ -288,7 +292,7 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
-    s->watch = s->fast_done;
+    s->watch = (s->fast_done ? WATCH_FAST : 0) | (s->probe ? WATCH_PROBE : 0);
     s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_ABORT) {
@@ -330,6 +334,7 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     r->last_start = now;
     s->passed = 0;
     s->fast_done = 0;
+    s->probe = 0;
     r->outstanding++;
 }
 
@@ -383,7 +388,7 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     uint64_t reorder_age = srtt + window + r->w->reo_steps * (srtt / 4);
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
-        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->passed < FAST_RETRANSMIT) continue;
+        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->probe || s->passed < FAST_RETRANSMIT) continue;
         if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
         s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
         if (++r->w->reo_clean >= REO_DECAY && r->w->reo_steps) { /* RFC 8985: the window shrinks back */
@@ -403,10 +408,17 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
  * packet, which was late, not lost: a spurious fast retransmit, as a DSACK tells TCP. RACK's
  * reordering window widens by a quarter round trip (RFC 8985, 6.2 step 4), up to REO_MAX_STEPS. */
 static void note_spurious(struct sa_worker *w, slot_t *s) {
+    if (s->watch & WATCH_PROBE) { /* the probe came too early: wait twice as long before the next */
+        w->stats.spurious_probes++;
+        w->tlp_clean = 0;
+        if (w->tlp_shift < TLP_MAX_SHIFT) w->tlp_shift++;
+    }
+    if (s->watch & WATCH_FAST) {
+        w->stats.spurious++;
+        w->reo_clean = 0;
+        if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
+    }
     s->watch = 0; /* once per round */
-    w->stats.spurious++;
-    w->reo_clean = 0;
-    if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
 }
 
 /* Is this datagram the answer to slot's outstanding request? Returns the slot index, or -1 (not an
@@ -450,7 +462,7 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
 static uint64_t probe_due(const run_t *r) {
     const struct sa_worker *w = r->w;
     if (r->probed || r->outstanding == 0 || w->srtt_ns == 0) return 0;
-    uint64_t pto = 2 * w->srtt_ns < TLP_MIN_NS ? TLP_MIN_NS : 2 * w->srtt_ns, rto = current_rto(w);
+    uint64_t pto = (2 * w->srtt_ns < TLP_MIN_NS ? TLP_MIN_NS : 2 * w->srtt_ns) << w->tlp_shift, rto = current_rto(w);
     if (pto > rto) pto = rto;
     return (r->last_result > r->last_start ? r->last_result : r->last_start) + pto;
 }
@@ -467,7 +479,11 @@ static size_t tail_probe(run_t *r, size_t *out) {
     r->probed = 1;
     if (best == r->active) return 0;
     r->slots[best].retried = 1; /* Karn: no round-trip sample from it */
-    r->slots[best].fast_done = 1; /* one early resend per round, as a fast retransmit */
+    if (++r->w->tlp_clean >= REO_DECAY && r->w->tlp_shift) { /* useful probes: shorten the wait again */
+        r->w->tlp_shift--;
+        r->w->tlp_clean = 0;
+    }
+    r->slots[best].probe = 1; /* one early resend per round: RACK leaves it to the timer now */
     r->w->stats.tail_probes++;
     r->w->stats.retransmits++;
     out[0] = best;

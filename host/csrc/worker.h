@@ -12,6 +12,7 @@ struct sa_worker_stats {
     unsigned long long spurious; /* fast retransmits found unneeded: their round was answered twice */
     unsigned long long tail_probes; /* resends of a tail loss probe (RACK-TLP): no result for 2 round trips */
     unsigned long long timeouts;    /* resends of the retransmission timer */
+    unsigned long long spurious_probes; /* tail loss probes found unneeded: their round was answered twice */
 };
 
 struct sa_worker {
@@ -41,6 +42,8 @@ struct sa_worker {
     uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across calls */
     unsigned reo_steps;          /* RACK's reordering window widened by this many quarter round trips */
     unsigned reo_clean;          /* fast retransmits since the last one found spurious */
+    unsigned tlp_shift;          /* a tail loss probe waits 2 round trips times 2^tlp_shift (spurious ones raise it) */
+    unsigned tlp_clean;          /* probes since the last one found spurious */
     struct sa_worker_stats stats;
 };
 

@@ -113,9 +113,10 @@ static PyObject *worker_abort(Worker *self, PyObject *args) {
 
 static PyObject *worker_stats(Worker *self, PyObject *unused) {
     const struct sa_worker_stats *s = &self->w.stats;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
                          s->retransmits, "fast_retransmits", s->fast_retransmits, "spurious_retransmits",
-                         s->spurious, "tail_probes", s->tail_probes, "timeouts", s->timeouts,
+                         s->spurious, "tail_probes", s->tail_probes, "spurious_probes", s->spurious_probes,
+                         "timeouts", s->timeouts,
                          "results", s->results, "stale", s->stale, "bad_key", s->bad_key,
                          "allreduces", s->allreduces, "bytes_sent", s->bytes, "call", self->w.call);
 }

@@ -35,6 +35,7 @@
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
+#define INITIAL_RTO_NS 200000000ull /* the timer before any round trip was measured (RFC 6298 says 1 s) */
 #define TLP_MIN_NS 200000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
 #define TLP_MAX_SHIFT 8   /* spurious probes double the wait, up to 256 times (the timer bounds it anyway) */
 
@@ -51,6 +52,7 @@ typedef struct {
     int passed;        /* results of packets sent after it that came back before its own */
     int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
     int probe;         /* resent as a tail loss probe this round: RACK leaves it to the timer then */
+    int lost;          /* its timer expired: resent when returning results make room (slow start) */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
     /* Its last round (on the set before sets[slot]) was fast-retransmitted (WATCH_FAST) or probed
@@ -178,6 +180,9 @@ typedef struct {
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
     uint64_t last_start;  /* ns: the latest first transmission */
     int probed;           /* a tail loss probe went out since the latest result: the timer takes over */
+    size_t lost;          /* slots whose timer expired, not resent yet */
+    size_t lost_budget;   /* of them, how many may be resent now: 2 per result (TCP's slow start) */
+    int frto;             /* results since the timeout that resent none of them (F-RTO): 2 say it was a loss */
 } run_t;
 
 
@@ -264,11 +269,12 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
     return 0;
 }
 
-/* The configured RTO is a floor: a slot's round trip includes waiting for the slowest peer,
- * so it varies far more than a network RTT and a TCP-style estimate fires spuriously. The
- * smoothed estimate only raises the RTO, for data planes slower than the floor (bmv2). */
+/* The configured RTO is a floor (a few ms: a data-centre link's round trip is far shorter): a
+ * slot's round trip includes waiting for the slowest peer, so the smoothed estimate (RFC 6298)
+ * raises it where round trips are longer or vary (bmv2, a loaded link). Before the first sample,
+ * INITIAL_RTO_NS: the first window's answers take as long as the aggregator needs for all of it. */
 static uint64_t current_rto(const struct sa_worker *w) {
-    uint64_t rto = w->srtt_ns + 4 * w->rttvar_ns;
+    uint64_t rto = w->srtt_ns ? w->srtt_ns + 4 * w->rttvar_ns : INITIAL_RTO_NS;
     if (rto < w->rto_ns) rto = w->rto_ns;
     return rto < w->rto_max_ns ? rto : w->rto_max_ns;
 }
@@ -292,6 +298,11 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
+    if (s->lost) { /* answered before its resend: the timeout was spurious (a stall, not a loss), as
+                    * F-RTO (RFC 5682) tells it; the others marked with it are not resent either */
+        for (size_t j = 0; j < r->active; j++) r->slots[j].lost = 0;
+        r->lost = 0;
+    }
     s->watch = (s->fast_done ? WATCH_FAST : 0) | (s->probe ? WATCH_PROBE : 0);
     s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
@@ -391,6 +402,10 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
         if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->probe || s->passed < FAST_RETRANSMIT) continue;
         if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
         s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
+        if (s->lost) { /* resent now: not again when its turn after the timeout comes */
+            s->lost = 0;
+            r->lost--;
+        }
         if (++r->w->reo_clean >= REO_DECAY && r->w->reo_steps) { /* RFC 8985: the window shrinks back */
             r->w->reo_steps /= 2;
             r->w->reo_clean = 0;
@@ -484,10 +499,41 @@ static size_t tail_probe(run_t *r, size_t *out) {
         r->w->tlp_clean = 0;
     }
     r->slots[best].probe = 1; /* one early resend per round: RACK leaves it to the timer now */
+    if (r->slots[best].lost) {
+        r->slots[best].lost = 0;
+        r->lost--;
+    }
     r->w->stats.tail_probes++;
     r->w->stats.retransmits++;
     out[0] = best;
     return 1;
+}
+
+/* Resend up to r->lost_budget of the slots whose timer expired, oldest first; appends to `out`.
+ * After a timeout the window is resent as TCP's is after an RTO: one packet at once, then, once
+ * two results showed it was a loss (F-RTO), two more for every result that comes back. A whole
+ * window resent at once, on a timer that fired because a peer, the aggregator or a link stalled
+ * (a busy CPU, a rank that starts its call late), only adds to the stall. */
+static size_t resend_lost(run_t *r, uint64_t now, size_t *out, size_t nout) {
+    while (r->lost > 0 && r->lost_budget > 0) {
+        size_t best = r->active;
+        for (size_t i = 0; i < r->active; i++)
+            if (r->slots[i].lost && (best == r->active || r->slots[i].seq < r->slots[best].seq)) best = i;
+        if (best == r->active) {
+            r->lost = 0;
+            break;
+        }
+        slot_t *s = &r->slots[best];
+        s->lost = 0;
+        s->retried = 1;
+        s->deadline = now + s->rto;
+        r->lost--;
+        r->lost_budget--;
+        r->w->stats.timeouts++;
+        r->w->stats.retransmits++;
+        out[nout++] = best;
+    }
+    return nout;
 }
 
 /* One call: an allreduce of r->len elements, or (abort) one ABORT packet on chunk 0's slot, sent
@@ -579,12 +625,17 @@ static int run_call(run_t *r, int abort) {
                 w->stats.results++;
                 last_progress = r->last_result = now;
                 r->probed = 0;
+                /* F-RTO (RFC 5682): the first two results after a timeout resend nothing more; if
+                 * either answers a packet the timeout took for lost, it was a stall (all cleared in
+                 * advance_slot), else a loss, and the rest is resent in slow start */
+                if (r->lost) r->lost_budget += ++r->frto > 2 ? 2 : 0;
+                else r->lost_budget = 0;
                 r->outstanding--;
                 note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
             }
             if (rc != SA_CALL_OK) break;
-            nq = release(r, now, queue, fast_retransmits(r, now, queue, 0));
+            nq = release(r, now, queue, resend_lost(r, now, queue, fast_retransmits(r, now, queue, 0)));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
             rc = SA_CALL_OSERROR;
@@ -598,6 +649,7 @@ static int run_call(run_t *r, int abort) {
         }
         if (now >= next_scan) { /* retransmit what timed out, with exponential backoff */
             nq = 0;
+            size_t lost_before = r->lost; /* an earlier timeout's, not found spurious: a loss */
             uint64_t soonest = now + w->rto_max_ns;
             for (size_t i = 0; i < r->active; i++) {
                 slot_t *s = &r->slots[i];
@@ -607,13 +659,14 @@ static int run_call(run_t *r, int abort) {
                 if (due <= now) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
                     due = s->deadline = now + s->rto;
-                    s->retried = 1;
-                    queue[nq++] = i;
+                    if (!s->lost) r->lost++;
+                    s->lost = 1;
                 }
                 if (due < soonest) soonest = due;
             }
-            w->stats.retransmits += nq;
-            w->stats.timeouts += nq;
+            r->lost_budget = r->lost ? 1 : 0; /* slow start anew: the oldest at once, the rest as results return */
+            r->frto = lost_before ? 2 : 0;
+            nq = resend_lost(r, now, queue, 0);
             if (nq && send_slots(r, queue, nq) < 0) {
                 rc = SA_CALL_OSERROR;
                 break;

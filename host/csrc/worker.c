@@ -36,7 +36,7 @@
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
 #define INITIAL_RTO_NS 200000000ull /* the timer before any round trip was measured (RFC 6298 says 1 s) */
-#define TLP_MIN_NS 200000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
+#define TLP_MIN_NS 1000000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
 #define TLP_MAX_SHIFT 8   /* spurious probes double the wait, up to 256 times (the timer bounds it anyway) */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };

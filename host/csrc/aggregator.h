@@ -54,6 +54,7 @@ struct sa_thread_counters {
 struct sa_agg_counters {
     uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N]; /* summed over the threads */
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes, summed over the threads */
+    uint64_t gso_sends, gro_receives; /* sends of several results at once, receives of several datagrams */
     size_t njobs;
     struct sa_job_counters *jobs;    /* malloc'ed */
     int nthreads;
@@ -83,17 +84,26 @@ struct sa_agg_thread {
     pthread_mutex_t lock;
     uint64_t rx, tx, misrouted, drops[SA_DROP_NREASONS], faults[SA_F_N];
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes: datagrams as received, results as sent */
+    uint64_t gso_sends, gro_receives;
+    int gso, gro;                    /* UDP GSO sends and UDP_GRO receives are on (sa_agg_open, SWITCHAGG_GSO) */
     /* Owned by the thread while serving: */
     uint8_t *rx_bufs;
     struct mmsghdr rx_msgs[SA_BATCH];
     struct iovec rx_iov[SA_BATCH];
     struct sockaddr_in rx_addr[SA_BATCH];
+    char rx_ctrl[SA_BATCH][CMSG_SPACE(sizeof(int))];
     struct out_msg out[SA_OUT_MSGS];
     size_t n_out;
     uint8_t *out_payloads;
     size_t n_payloads;
     struct mmsghdr tx_msgs[SA_OUT_MSGS];
     struct iovec tx_iov[SA_OUT_MSGS][2];
+    /* GSO: the queued results regrouped by destination, a send of up to SA_GSO_MAX_SEGS each */
+    struct iovec tx_flat[2 * SA_OUT_MSGS];
+    size_t tx_idx[SA_OUT_MSGS];      /* out[] indices in send order */
+    size_t tx_first[SA_OUT_MSGS];    /* per send: its first entry in tx_idx */
+    size_t tx_segs[SA_OUT_MSGS];     /* per send: results in it */
+    char tx_ctrl[SA_OUT_MSGS][CMSG_SPACE(sizeof(uint16_t))];
 } __attribute__((aligned(64)));
 
 struct sa_agg {

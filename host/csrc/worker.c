@@ -32,6 +32,8 @@
 #include "sockets.h"
 
 #define BATCH 64
+#define GRO_BATCH 16      /* coalesced receives per recvmmsg: each buffer is SA_GRO_BUF */
+#define GSO_MSGS 16       /* GSO sends per sendmmsg: up to SA_GSO_MAX_SEGS packets each */
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
@@ -126,9 +128,16 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
                     (w->path_mtu - SA_IPV4_UDP_HEADERS - SA_HEADER_LEN) / 4);
     free_bufs(w);
     w->pkt_len = SA_HEADER_LEN + 4 * (size_t)c->k;
+    /* GSO: frame-sized packets at the cost of a big datagram per syscall; off where the kernel says no
+     * (a later send that fails with EIO, e.g. no checksum offload, turns it off too) */
+    w->gso_segs = sa_gso_allowed() ? sa_gso_segments(w->pkt_len, w->path_mtu) : 0;
+    if (w->gso_segs && sa_set_gso(w->fd, (int)w->pkt_len) != 0) w->gso_segs = 0;
+    if (!w->gso_segs) (void)sa_set_gso(w->fd, 0);
+    w->gro = sa_gso_allowed() && sa_set_gro(w->fd, 1) == 0;
+    if (!w->gro) (void)sa_set_gro(w->fd, 0);
     w->sets = calloc((size_t)c->slot_count, 1);
     w->pkts = malloc((size_t)c->slot_count * w->pkt_len);
-    w->rx = malloc(BATCH * w->pkt_len);
+    w->rx = malloc(w->gro ? GRO_BATCH * (size_t)SA_GRO_BUF : BATCH * w->pkt_len);
     if (!w->sets || !w->pkts || !w->rx) {
         free_bufs(w);
         errno = ENOMEM;
@@ -236,7 +245,62 @@ static void build_packet(run_t *r, size_t i) {
     }
 }
 
+static int send_plain(run_t *r, const size_t *which, size_t count);
+
+/* The kernel cannot segment here (EIO: the device has no checksum offload; EINVAL: the route's MTU
+ * shrank): send one datagram per packet from now on. */
+static int gso_refused(int e) { return e == EIO || e == EINVAL || e == ENOPROTOOPT || e == EOPNOTSUPP; }
+
+/* Packets in GSO sends of up to w->gso_segs each (the socket's UDP_SEGMENT is pkt_len: a send of m
+ * packets leaves as m datagrams), many sends per sendmmsg. */
 static int send_slots(run_t *r, const size_t *which, size_t count) {
+    struct sa_worker *w = r->w;
+    if (w->gso_segs < 2 || count < 2) return send_plain(r, which, count);
+    struct mmsghdr msgs[GSO_MSGS];
+    struct iovec iov[GSO_MSGS * SA_GSO_MAX_SEGS];
+    size_t segs[GSO_MSGS];
+    size_t sent = 0;
+    while (sent < count) {
+        size_t m = 0, used = 0;
+        for (; m < GSO_MSGS && sent + used < count; m++) {
+            size_t take = count - sent - used < (size_t)w->gso_segs ? count - sent - used : (size_t)w->gso_segs;
+            struct iovec *v = &iov[m * SA_GSO_MAX_SEGS];
+            for (size_t j = 0; j < take; j++) {
+                v[j].iov_base = w->pkts + which[sent + used + j] * w->pkt_len;
+                v[j].iov_len = w->pkt_len;
+            }
+            memset(&msgs[m].msg_hdr, 0, sizeof msgs[m].msg_hdr);
+            msgs[m].msg_hdr.msg_iov = v;
+            msgs[m].msg_hdr.msg_iovlen = take;
+            segs[m] = take;
+            used += take;
+        }
+        int rc = sendmmsg(w->fd, msgs, (unsigned)m, 0);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            if (gso_refused(errno)) {
+                w->gso_segs = 0;
+                (void)sa_set_gso(w->fd, 0);
+                return send_plain(r, which + sent, count - sent);
+            }
+            if (errno == EAGAIN || errno == ENOBUFS || errno == ECONNREFUSED || errno == EHOSTUNREACH ||
+                errno == ENETUNREACH) { /* a loss like any other (send_plain) */
+                sent += used;
+                continue;
+            }
+            return -1;
+        }
+        size_t done = 0;
+        for (int i = 0; i < rc; i++) done += segs[i];
+        w->stats.sent += done;
+        w->stats.bytes += done * w->pkt_len;
+        w->stats.gso_sends += (unsigned long long)rc;
+        sent += rc > 0 ? done : used;
+    }
+    return 0;
+}
+
+static int send_plain(run_t *r, const size_t *which, size_t count) {
     struct sa_worker *w = r->w;
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
@@ -572,6 +636,10 @@ static int run_call(run_t *r, int abort) {
     uint64_t last_progress = now, next_scan = now + current_rto(w);
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
+    char ctrl[BATCH][CMSG_SPACE(sizeof(int))];
+    /* the datagrams of one recvmmsg: a coalesced (GRO) buffer holds several of one size back to back */
+    const uint8_t *seg[GRO_BATCH * SA_GSO_MAX_SEGS > BATCH ? GRO_BATCH * SA_GSO_MAX_SEGS : BATCH];
+    size_t seg_len[sizeof seg / sizeof seg[0]];
     while (r->done < r->active) {
         now = sa_now_ns();
         uint64_t wake = next_scan, probe = probe_due(r);
@@ -590,22 +658,43 @@ static int run_call(run_t *r, int abort) {
         }
         size_t nq = 0;
         if (pr > 0 && (pfd[0].revents & POLLIN)) {
-            for (int j = 0; j < BATCH; j++) {
-                iov[j].iov_base = w->rx + (size_t)j * w->pkt_len;
-                iov[j].iov_len = w->pkt_len;
+            int nbufs = w->gro ? GRO_BATCH : BATCH;
+            size_t bufsz = w->gro ? SA_GRO_BUF : w->pkt_len;
+            for (int j = 0; j < nbufs; j++) {
+                iov[j].iov_base = w->rx + (size_t)j * bufsz;
+                iov[j].iov_len = bufsz;
                 memset(&msgs[j].msg_hdr, 0, sizeof msgs[j].msg_hdr);
                 msgs[j].msg_hdr.msg_iov = &iov[j];
                 msgs[j].msg_hdr.msg_iovlen = 1;
+                if (w->gro) {
+                    msgs[j].msg_hdr.msg_control = ctrl[j];
+                    msgs[j].msg_hdr.msg_controllen = sizeof ctrl[j];
+                }
             }
-            int got = recvmmsg(w->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+            int got = recvmmsg(w->fd, msgs, (unsigned)nbufs, MSG_DONTWAIT, NULL);
             if (got < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) {
                 rc = SA_CALL_OSERROR;
                 break;
             }
+            size_t nseg = 0;
+            for (int j = 0; j < got; j++) { /* walk a coalesced buffer by its segment size */
+                const uint8_t *buf = w->rx + (size_t)j * bufsz;
+                size_t total = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
+                size_t step = w->gro ? (size_t)sa_gro_size(&msgs[j].msg_hdr) : 0;
+                if (step == 0 || step > total) step = total;
+                size_t off = 0;
+                do { /* bounded: a buffer of tiny packets beyond the array is lost, and resent */
+                    if (nseg == sizeof seg / sizeof seg[0]) break;
+                    seg[nseg] = buf + off;
+                    seg_len[nseg++] = total - off < step ? total - off : step;
+                    off += step;
+                } while (off < total);
+                if (w->gro && step < total) w->stats.gro_receives++;
+            }
             now = sa_now_ns();
-            for (int j = 0; j < got && rc == SA_CALL_OK; j++) {
-                const uint8_t *pkt = w->rx + (size_t)j * w->pkt_len;
-                size_t len = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
+            for (size_t j = 0; j < nseg && rc == SA_CALL_OK; j++) {
+                const uint8_t *pkt = seg[j];
+                size_t len = seg_len[j];
                 int poisoned = 0;
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {

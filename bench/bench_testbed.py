@@ -198,7 +198,8 @@ def plot_loss(points: list[dict[str, Any]], path: Path) -> None:
                 (
                     p
                     for p in points
-                    if (p["rate_mbit"], p["n"], p["size_mb"], p["mtu"]) == (rate, n, size, mtu)
+                    if (p["rate_mbit"], p["n"], p["size_mb"], p["mtu"], p.get("gso", "on"))
+                    == (rate, n, size, mtu, "on")
                 ),
                 key=lambda p: p["loss_pct"],
             )
@@ -219,8 +220,9 @@ def plot_loss(points: list[dict[str, Any]], path: Path) -> None:
 
 
 HEADER = (
-    f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gloo s':>8} {'switchagg s':>11} "
-    f"{'gloo/sa':>8} {'S/R s':>7} {'of S/R':>7} {'cpu gloo':>8} {'cpu sa':>6} {'resent':>6}"
+    f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gso':>3} {'gloo s':>8} "
+    f"{'switchagg s':>11} {'gloo/sa':>8} {'S/R s':>7} {'of S/R':>7} {'cpu gloo':>8} {'cpu sa':>6} "
+    f"{'resent':>6}"
 )
 
 
@@ -259,7 +261,8 @@ def point(
         "tail_probes": s["tail_probes"], "timeouts": s["timeouts"],
     }  # fmt: skip
     print(
-        f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} {p['gloo_s']:8.2f} "
+        f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} "
+        f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {p['gloo_s']:8.2f} "
         f"{p['switchagg_s']:11.2f} {p['speedup']:7.2f}x {bound:7.2f} {p['switchagg_of_bound']:6.0%} "
         f"{g['cpu_busy']:8.0%} {s['cpu_busy']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
         f"{s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, {p['frames_lost']} lost)",
@@ -305,6 +308,7 @@ def bench(args: argparse.Namespace) -> int:
         for _ in args.workers
         for _ in args.mtu
         for _ in args.loss
+        for _ in args.gso
         for size in args.sizes
     ]
     trains = 2 if args.train else 0
@@ -315,20 +319,23 @@ def bench(args: argparse.Namespace) -> int:
             workdir = Path(tmp) / f"r{rate:g}n{n}m{mtu}"
             k, slots = sw_layout(mtu, args.k, args.slots)
             with Testbed(n, workdir, data_plane="soft", rate_mbit=rate, mtu=mtu) as bed:
-                service = start_job_service(bed, workdir, sw_k=k, sw_slots=slots)
-                try:
-                    points += [
-                        point(bed, workdir, rate, size, args.reps, progress, loss, k)
-                        for loss in args.loss
-                        for size in args.sizes
-                    ]
-                    if args.train and rate == args.rates[-1] and n == args.workers[-1]:
-                        for e in bed.endpoints:
-                            e.set_loss(0)
-                        training = train_both(bed, workdir, rate, args.hidden, progress)
-                finally:
-                    service.kill()
-                    service.wait(timeout=30)
+                for gso in args.gso:  # the aggregator (the job service's) and the ranks inherit it
+                    os.environ["SWITCHAGG_GSO"] = "1" if gso == "on" else "0"
+                    service = start_job_service(bed, workdir, sw_k=k, sw_slots=slots)
+                    try:
+                        points += [
+                            {**point(bed, workdir, rate, size, args.reps, progress, loss, k), "gso": gso}
+                            for loss in args.loss
+                            for size in args.sizes
+                        ]
+                        last = rate == args.rates[-1] and n == args.workers[-1] and gso == args.gso[-1]
+                        if args.train and last:
+                            for e in bed.endpoints:
+                                e.set_loss(0)
+                            training = train_both(bed, workdir, rate, args.hidden, progress)
+                    finally:
+                        service.kill()
+                        service.wait(timeout=30)
     result = {
         "host": {
             "cpus": os.cpu_count(),
@@ -336,6 +343,7 @@ def bench(args: argparse.Namespace) -> int:
             "slots": args.slots,
             "mtu": args.mtu,
             "loss": args.loss,
+            "gso": args.gso,
         },
         "points": points,
         "training": training,
@@ -344,7 +352,8 @@ def bench(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if points:
-        plot([p for p in points if p["loss_pct"] == args.loss[0]], out.with_suffix(".png"))
+        first = (args.loss[0], args.gso[0])
+        plot([p for p in points if (p["loss_pct"], p["gso"]) == first], out.with_suffix(".png"))
         if len(args.loss) > 1:
             plot_loss(points, out.with_name(out.stem + "_loss.png"))
     progress.finish(f"wrote {out} and {out.with_suffix('.png')}")
@@ -374,6 +383,13 @@ def main() -> int:
         "--k", type=int, help="elements per packet (default: the most one frame of the MTU carries)"
     )
     p.add_argument("--slots", type=int, help="slots per job (default: protocol.WINDOW_BYTES of packets)")
+    p.add_argument(
+        "--gso",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="UDP GSO/GRO in the workers and the aggregator; `off` is SWITCHAGG_GSO=0, the fallback",
+    )
     p.add_argument("--train", action="store_true", help="also time DDP steps of train_digits.py")
     p.add_argument("--hidden", type=int, default=2048, help="train_digits.py --hidden (gradient size)")
     p.add_argument("--out", default=str(RESULTS / "testbed.json"))

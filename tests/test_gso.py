@@ -5,6 +5,8 @@ fall back to one datagram per send and receive, with the same sums."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -16,9 +18,11 @@ N, K = 3, protocol.k_for_mtu(1500)
 LENGTH = 300_000  # 831 packets per worker and call
 
 
-def _run(calls: int = 2) -> tuple[list[dict[str, int]], dict[str, int], list[tuple[int, bool]]]:
+def _run(
+    calls: int = 2, threads: int = 1
+) -> tuple[list[dict[str, int]], dict[str, Any], list[tuple[int, bool]]]:
     slots = protocol.window_slots(K)
-    agg = SoftwareAggregator("127.0.0.1", 0).start()
+    agg = SoftwareAggregator("127.0.0.1", 0, threads=threads).start()
     workers = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
     key = new_key()
     sessions: list[Session] = []
@@ -42,8 +46,11 @@ def _run(calls: int = 2) -> tuple[list[dict[str, int]], dict[str, int], list[tup
     return stats, counters, offload
 
 
-def test_gso_trains_and_coalesced_receives_both_ways() -> None:
-    stats, counters, offload = _run()
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gso_trains_and_coalesced_receives_both_ways(threads: int) -> None:
+    """With 2 aggregator threads a train holds slots of both (the kernel steers it whole, by its
+    first datagram): each datagram is still summed by its slot's owner."""
+    stats, counters, offload = _run(threads=threads)
     # 44 packets of 1472 bytes per send: as much as one 64 KiB datagram
     assert offload == [(protocol.MAX_UDP_PAYLOAD // protocol.packet_len(K), True)] * N
     sent = sum(s["sent"] for s in stats)
@@ -52,6 +59,10 @@ def test_gso_trains_and_coalesced_receives_both_ways() -> None:
     assert counters["rx"] == sent  # and walked them packet by packet
     assert counters["gso_sends"] > 0  # results went back in trains, one per worker and batch
     assert sum(s["gro_receives"] for s in stats) > 0
+    assert not any(t["misrouted"] for t in counters["threads"])
+    assert sum(j["aggregated"] for j in counters["jobs"].values()) == sum(
+        t["aggregated"] for t in counters["threads"]
+    )
     print(
         f"\n{sent} packets in {sum(s['gso_sends'] for s in stats)} GSO sends; aggregator: {counters['rx']} "
         f"in {counters['gro_receives']} coalesced receives, results in {counters['gso_sends']} GSO sends"

@@ -809,10 +809,23 @@ int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
     return SA_OK;
 }
 
-/* Serve one received batch: fault injection in, the algorithm, then send what it produced. */
+/* The thread that owns a datagram's slot, as the steering program picks it (too short: thread 0). */
+static uint16_t owner_of(const struct sa_agg *a, const uint8_t *p, size_t len) {
+    if (a->nthreads < 2 || len < offsetof(struct sa_header, pool) + 2) return 0;
+    uint16_t pool;
+    memcpy(&pool, p + offsetof(struct sa_header, pool), sizeof pool);
+    return (uint16_t)((ntohs(pool) & SA_POOL_SLOT_MASK) % (uint32_t)a->nthreads);
+}
+
+/* Serve one received batch: fault injection in, the algorithm, then send what it produced. A
+ * datagram of another thread's slot (a GSO train is steered and queued whole, by its first
+ * datagram's slot; or it came before the group had all its sockets) is served afterwards by the
+ * owner's state under the owner's lock, which this thread then holds alone: slot state stays one
+ * thread's at a time, and no thread ever holds two locks but lock_all. */
 static void serve_batch(struct sa_agg_thread *t, int got) {
-    const struct sa_agg *a = t->a;
+    struct sa_agg *a = t->a;
     pthread_mutex_lock(&t->lock);
+    t->n_foreign = 0;
     for (int i = 0; i < got; i++) {
         /* A coalesced (GRO) receive holds several datagrams of one size back to back: each is one */
         const uint8_t *buf = t->rx_iov[i].iov_base;
@@ -834,13 +847,40 @@ static void serve_batch(struct sa_agg_thread *t, int got) {
                 t->faults[SA_F_DUPLICATED_IN]++;
                 times = 2;
             }
-            for (int r = 0; r < times; r++) process(t, buf + off, len, &t->rx_addr[i]);
+            uint16_t owner = owner_of(a, buf + off, len);
+            for (int r = 0; r < times; r++) {
+                if (owner == t->index) {
+                    process(t, buf + off, len, &t->rx_addr[i]);
+                } else if (t->n_foreign < SA_MAX_FOREIGN) {
+                    t->foreign[t->n_foreign++] = (struct foreign_dgram){buf + off, (uint32_t)len, (uint16_t)i, owner};
+                } else {
+                    t->misrouted++; /* cannot happen (64 per buffer at most); a loss if it did */
+                }
+            }
             off += step;
         } while (off < total);
     }
     flush_out(t);
     t->n_payloads = 0;
     pthread_mutex_unlock(&t->lock);
+    for (int u = 0; u < a->nthreads && t->n_foreign; u++) { /* each owner once, in its own batch */
+        if (u == t->index) continue;
+        struct sa_agg_thread *o = &a->th[u];
+        int locked = 0;
+        for (size_t f = 0; f < t->n_foreign; f++) {
+            if (t->foreign[f].owner != u) continue;
+            if (!locked) {
+                pthread_mutex_lock(&o->lock);
+                locked = 1;
+            }
+            process(o, t->foreign[f].p, t->foreign[f].len, &t->rx_addr[t->foreign[f].msg]);
+        }
+        if (locked) {
+            flush_out(o);
+            o->n_payloads = 0;
+            pthread_mutex_unlock(&o->lock);
+        }
+    }
 }
 
 /* One thread's loop on its socket until stop, halt, the deadline or the tick (thread 0 only). */

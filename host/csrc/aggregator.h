@@ -18,6 +18,7 @@
 #define SA_BATCH 64                    /* datagrams per recvmmsg */
 #define SA_RX_BUF 65536                /* > largest UDP payload, so nothing is cut */
 #define SA_OUT_MSGS 512                /* queued results before a forced flush */
+#define SA_MAX_FOREIGN (SA_BATCH * 64) /* another thread's datagrams in one batch: 64 per GRO buffer at most */
 #define SA_NJOB_IDS 65536
 #define SA_NUM_SLOTS (SA_POOL_SLOT_MASK + 1)
 #define SA_JOB_COUNTERS 7              /* protocol.JOB_COUNTERS, then LEAF_COUNTERS (a leaf's job) */
@@ -104,6 +105,15 @@ struct sa_agg_thread {
     size_t tx_first[SA_OUT_MSGS];    /* per send: its first entry in tx_idx */
     size_t tx_segs[SA_OUT_MSGS];     /* per send: results in it */
     char tx_ctrl[SA_OUT_MSGS][CMSG_SPACE(sizeof(uint16_t))];
+    /* Datagrams of other threads' slots in this batch (a GSO train is steered, and queued, as a whole
+     * by its first datagram's slot): each is served by its owner's state under the owner's lock */
+    struct foreign_dgram {
+        const uint8_t *p;
+        uint32_t len;
+        uint16_t msg;                /* its rx_addr index */
+        uint16_t owner;
+    } foreign[SA_MAX_FOREIGN];
+    size_t n_foreign;
 } __attribute__((aligned(64)));
 
 struct sa_agg {

@@ -211,7 +211,7 @@ def main() -> int:
     p.add_argument("--size", type=int, default=64, help="MB of float32")
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4, 8], help="reducer hosts M to try")
     p.add_argument("--reps", type=int, default=2, help="timed allreduces per point (median)")
-    p.add_argument("--k", type=int, default=8192, help="elements per packet")
+    p.add_argument("--k", type=int, help="elements per packet (default: the most one frame carries)")
     p.add_argument(
         "--slots", type=int, default=8, help="slots per job (a striped job's: split over its shards)"
     )

@@ -7,6 +7,10 @@ same links, side by side:
 * gloo: torch's allreduce (a ring), over the same links through the switch namespace's bridge;
   each worker sends and receives 2(n-1)/n * S.
 
+Links have MTU --mtu (9000 and/or 1500) and lose --loss percent of their IPv4 frames each way at
+every worker (nftables, fragments and gloo's TCP included); switchagg's K is the most one frame
+carries unless --k says (protocol.k_for_mtu) and its window protocol.WINDOW_BYTES of packets.
+
 Per point it prints both times (the slowest rank's, median over --reps), gloo/switchagg, the
 fraction of the in-network bound S/R that switchagg reaches, and the CPU load of the host during
 the run (2 shared cores: where it nears 100%, the CPU, not the links, is the bottleneck). Writes
@@ -16,6 +20,7 @@ examples/train_digits.py (a wide MLP, so the gradients are large) on both backen
 Needs root, iproute2 and torch. Bounded: every run has a timeout.
     python bench/bench_testbed.py                      # full grid (~15 min)
     python bench/bench_testbed.py --rates 200 --workers 4 --sizes 16 --reps 1
+    python bench/bench_testbed.py --rates 200 --workers 4 --sizes 64 --mtu 1500 9000 --loss 0 0.1 1
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def worker(args: argparse.Namespace) -> int:
         stats = backend_of().data_plane.stats()
         report["retransmits"], report["sent"] = stats["retransmits"], stats["sent"]
         report["fast_retransmits"] = stats["fast_retransmits"]
+        report["tail_probes"], report["timeouts"] = stats["tail_probes"], stats["timeouts"]
     print(json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -130,6 +136,8 @@ def measure(bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, time
         "retransmits": sum(r.get("retransmits", 0) for r in reports),
         "sent": sum(r.get("sent", 0) for r in reports),
         "fast_retransmits": sum(r.get("fast_retransmits", 0) for r in reports),
+        "tail_probes": sum(r.get("tail_probes", 0) for r in reports),
+        "timeouts": sum(r.get("timeouts", 0) for r in reports),
     }
 
 
@@ -175,9 +183,46 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_loss(points: list[dict[str, Any]], path: Path) -> None:
+    """Allreduce time against frame loss, per MTU, gloo beside switchagg (one panel per rate, n, size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(p["rate_mbit"], p["n"], p["size_mb"]) for p in points})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4), squeeze=False)
+    for ax, (rate, n, size) in zip(axes[0], panels, strict=True):
+        for mtu in sorted({p["mtu"] for p in points}):
+            pts = sorted(
+                (
+                    p
+                    for p in points
+                    if (p["rate_mbit"], p["n"], p["size_mb"], p["mtu"], p.get("gso", "on"))
+                    == (rate, n, size, mtu, "on")
+                ),
+                key=lambda p: p["loss_pct"],
+            )
+            losses = [p["loss_pct"] for p in pts]
+            ax.plot(losses, [p["switchagg_s"] for p in pts], "s-", label=f"switchagg, MTU {mtu}")
+            ax.plot(losses, [p["gloo_s"] for p in pts], "o--", label=f"gloo ring, MTU {mtu}")
+        bound = size * MB * 8 / (rate * 1e6)
+        ax.axhline(bound, color="k", lw=0.8, ls=":", label="S/R")
+        ax.set_xscale("symlog", linthresh=0.1)
+        ax.set_title(f"{size} MB float32, n={n}, links {rate:g} Mbit/s", fontsize=9)
+        ax.set_xlabel("frames lost each way (%)")
+        ax.set_ylabel("allreduce time (s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 HEADER = (
-    f"{'rate':>6} {'n':>2} {'size':>6} {'gloo s':>8} {'switchagg s':>11} {'gloo/sa':>8} "
-    f"{'S/R s':>7} {'of S/R':>7} {'cpu':>5} {'resent':>6}"
+    f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gso':>3} {'gloo s':>8} "
+    f"{'switchagg s':>11} {'gloo/sa':>8} {'S/R s':>7} {'of S/R':>7} {'cpu gloo':>8} {'cpu sa':>6} "
+    f"{'resent':>6}"
 )
 
 
@@ -189,9 +234,13 @@ def step_weight(rate: float, size: int, reps: int) -> float:
 TRAIN_WEIGHT = 60.0  # one epoch of train_digits.py, roughly, on a capped testbed
 
 
-def point(bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: Steps) -> dict[str, Any]:
-    """Both systems on one testbed, one size: gloo first, then switchagg."""
+def point(
+    bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: Steps, loss: float = 0.0, k: int = 0
+) -> dict[str, Any]:
+    """Both systems on one testbed, one size, one frame loss: gloo first, then switchagg."""
     n = bed.n
+    for e in bed.endpoints:
+        e.set_loss(loss)
     bound = size * MB * 8 / (rate * 1e6)
     timeout = 120 + 20 * bound * reps
     progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: gloo", step_weight(rate, size, reps))
@@ -199,7 +248,8 @@ def point(bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: 
     progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: switchagg", step_weight(rate, size, reps))
     s = measure(bed, workdir, "switchagg", size, reps, timeout)
     p = {
-        "rate_mbit": rate, "n": n, "size_mb": size,
+        "rate_mbit": rate, "n": n, "size_mb": size, "mtu": bed.mtu, "loss_pct": loss, "k": k,
+        "frames_lost": sum(e.lost() for e in bed.endpoints),
         "gloo_s": g["seconds"], "switchagg_s": s["seconds"], "speedup": g["seconds"] / s["seconds"],
         "ina_bound_s": bound, "ring_bound_s": 2 * (n - 1) / n * bound,
         "switchagg_of_bound": bound / s["seconds"],
@@ -208,11 +258,14 @@ def point(bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: 
         "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
         "runs_gloo": g["all_seconds"], "runs_switchagg": s["all_seconds"],
         "retransmits": s["retransmits"], "fast_retransmits": s["fast_retransmits"], "packets_sent": s["sent"],
+        "tail_probes": s["tail_probes"], "timeouts": s["timeouts"],
     }  # fmt: skip
     print(
-        f"{rate:6g} {n:2d} {size:4d}MB {p['gloo_s']:8.2f} {p['switchagg_s']:11.2f} {p['speedup']:7.2f}x "
-        f"{bound:7.2f} {p['switchagg_of_bound']:6.0%} {max(g['cpu_busy'], s['cpu_busy']):5.0%} "
-        f"{s['retransmits']:6d} ({s['fast_retransmits']} fast)",
+        f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} "
+        f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {p['gloo_s']:8.2f} "
+        f"{p['switchagg_s']:11.2f} {p['speedup']:7.2f}x {bound:7.2f} {p['switchagg_of_bound']:6.0%} "
+        f"{g['cpu_busy']:8.0%} {s['cpu_busy']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
+        f"{s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, {p['frames_lost']} lost)",
         flush=True,
     )
     return p
@@ -241,37 +294,57 @@ def train_both(bed: Any, workdir: Path, rate: float, hidden: int, progress: Step
 
 def bench(args: argparse.Namespace) -> int:
     from switchagg_lab.testbed import Testbed, tools
-    from switchagg_lab.testbed.testbed_controller import start_job_service
+    from switchagg_lab.testbed.testbed_controller import start_job_service, sw_layout
 
-    reason = tools.missing_for(["ip", "tc"], "bench_testbed")
+    reason = tools.missing_for(["ip", "tc"] + (["nft"] if any(args.loss) else []), "bench_testbed")
     if reason:
         print(reason, file=sys.stderr)
         return 2
     points: list[dict[str, Any]] = []
     training: list[dict[str, Any]] = []
     weights = [
-        step_weight(r, size, args.reps) for r in args.rates for _ in args.workers for size in args.sizes
+        step_weight(r, size, args.reps)
+        for r in args.rates
+        for _ in args.workers
+        for _ in args.mtu
+        for _ in args.loss
+        for _ in args.gso
+        for size in args.sizes
     ]
     trains = 2 if args.train else 0
     progress = Steps(2 * len(weights) + trains, 2 * sum(weights) + trains * TRAIN_WEIGHT)
     print(HEADER)
     with tempfile.TemporaryDirectory() as tmp:
-        for rate in args.rates:
-            for n in args.workers:
-                workdir = Path(tmp) / f"r{rate:g}n{n}"
-                with Testbed(n, workdir, data_plane="soft", rate_mbit=rate) as bed:
-                    service = start_job_service(bed, workdir, sw_k=args.k, sw_slots=args.slots)
+        for rate, n, mtu in ((r, n, m) for r in args.rates for n in args.workers for m in args.mtu):
+            workdir = Path(tmp) / f"r{rate:g}n{n}m{mtu}"
+            k, slots = sw_layout(mtu, args.k, args.slots)
+            with Testbed(n, workdir, data_plane="soft", rate_mbit=rate, mtu=mtu) as bed:
+                for gso in args.gso:  # the aggregator (the job service's) and the ranks inherit it
+                    os.environ["SWITCHAGG_GSO"] = "1" if gso == "on" else "0"
+                    service = start_job_service(bed, workdir, sw_k=k, sw_slots=slots)
                     try:
                         points += [
-                            point(bed, workdir, rate, size, args.reps, progress) for size in args.sizes
+                            {**point(bed, workdir, rate, size, args.reps, progress, loss, k), "gso": gso}
+                            for loss in args.loss
+                            for size in args.sizes
                         ]
-                        if args.train and rate == args.rates[-1] and n == args.workers[-1]:
+                        last = rate == args.rates[-1] and n == args.workers[-1] and gso == args.gso[-1]
+                        if args.train and last:
+                            for e in bed.endpoints:
+                                e.set_loss(0)
                             training = train_both(bed, workdir, rate, args.hidden, progress)
                     finally:
                         service.kill()
                         service.wait(timeout=30)
     result = {
-        "host": {"cpus": os.cpu_count(), "k": args.k, "slots": args.slots, "mtu": 9000},
+        "host": {
+            "cpus": os.cpu_count(),
+            "k": args.k,
+            "slots": args.slots,
+            "mtu": args.mtu,
+            "loss": args.loss,
+            "gso": args.gso,
+        },
         "points": points,
         "training": training,
     }
@@ -279,7 +352,10 @@ def bench(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if points:
-        plot(points, out.with_suffix(".png"))
+        first = (args.loss[0], args.gso[0])
+        plot([p for p in points if (p["loss_pct"], p["gso"]) == first], out.with_suffix(".png"))
+        if len(args.loss) > 1:
+            plot_loss(points, out.with_name(out.stem + "_loss.png"))
     progress.finish(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
@@ -299,8 +375,21 @@ def main() -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="MB of float32")
     p.add_argument("--reps", type=int, default=2, help="timed allreduces per point (median)")
-    p.add_argument("--k", type=int, default=8192, help="elements per packet on the software aggregator")
-    p.add_argument("--slots", type=int, default=32, help="slots (packets in flight) per job")
+    p.add_argument("--mtu", type=int, nargs="+", default=[9000], help="link MTUs (default 9000)")
+    p.add_argument(
+        "--loss", type=float, nargs="+", default=[0.0], help="percent of frames lost each way per link"
+    )
+    p.add_argument(
+        "--k", type=int, help="elements per packet (default: the most one frame of the MTU carries)"
+    )
+    p.add_argument("--slots", type=int, help="slots per job (default: protocol.WINDOW_BYTES of packets)")
+    p.add_argument(
+        "--gso",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="UDP GSO/GRO in the workers and the aggregator; `off` is SWITCHAGG_GSO=0, the fallback",
+    )
     p.add_argument("--train", action="store_true", help="also time DDP steps of train_digits.py")
     p.add_argument("--hidden", type=int, default=2048, help="train_digits.py --hidden (gradient size)")
     p.add_argument("--out", default=str(RESULTS / "testbed.json"))

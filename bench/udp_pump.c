@@ -2,7 +2,13 @@
  * datagrams of a given size, with the aggregator's own batching (sendmmsg / recvmmsg, 64 at a time)
  * and nothing else: the baseline of bench/bench_aggregator_threads.py, which compiles it.
  *
- *   udp_pump DATAGRAM_BYTES SECONDS [SENDERS [RECEIVERS]]
+ *   udp_pump DATAGRAM_BYTES SECONDS [SENDERS [RECEIVERS [gso]]]
+ *
+ * With `gso` the senders hand the kernel up to 64 datagrams per send (UDP_SEGMENT: one buffer cut
+ * into DATAGRAM_BYTES segments) and the receivers take coalesced buffers (UDP_GRO), counting the
+ * datagrams in each by the segment size its cmsg gives: the engines' GSO/GRO path, at the same
+ * datagram size. It also prints the process's CPU seconds (user + system, getrusage), so that
+ * `cpu_seconds / (received * DATAGRAM_BYTES * 8 / 1e9)` is its CPU per Gbit.
  *
  * SENDERS threads blast datagrams (each from its own socket) at RECEIVERS threads (one socket each,
  * an SO_REUSEPORT group when more than one) for SECONDS; prints one JSON line: datagrams sent and
@@ -19,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/udp.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,6 +37,7 @@
 static atomic_int stop;
 static struct sockaddr_in target;
 static size_t dgram;
+static int gso;       /* segments per send (0: one datagram per send) */
 
 static double now(void) {
     struct timespec ts;
@@ -52,13 +61,18 @@ struct worker {
 
 static void *send_loop(void *p) {
     struct worker *w = p;
-    uint8_t *buf = calloc(1, dgram);
+    size_t per = gso ? (size_t)gso : 1;
+    uint8_t *buf = calloc(per, dgram);
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     memset(msgs, 0, sizeof msgs);
+    if (gso) {
+        int size = (int)dgram;
+        if (setsockopt(w->fd, SOL_UDP, UDP_SEGMENT, &size, sizeof size) != 0) perror("UDP_SEGMENT");
+    }
     for (int i = 0; i < BATCH; i++) {
         iov[i].iov_base = buf;
-        iov[i].iov_len = dgram;
+        iov[i].iov_len = dgram * per;
         msgs[i].msg_hdr.msg_iov = &iov[i];
         msgs[i].msg_hdr.msg_iovlen = 1;
         msgs[i].msg_hdr.msg_name = &target;
@@ -66,7 +80,7 @@ static void *send_loop(void *p) {
     }
     while (!atomic_load(&stop)) {
         int r = sendmmsg(w->fd, msgs, BATCH, 0);
-        if (r > 0) w->count += (uint64_t)r;
+        if (r > 0) w->count += (uint64_t)r * per;
     }
     free(buf);
     return NULL;
@@ -77,6 +91,9 @@ static void *recv_loop(void *p) {
     uint8_t *bufs = malloc((size_t)BATCH * 65536);
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
+    char ctrl[BATCH][CMSG_SPACE(sizeof(int))];
+    int one = 1;
+    if (gso && setsockopt(w->fd, SOL_UDP, UDP_GRO, &one, sizeof one) != 0) perror("UDP_GRO");
     while (!atomic_load(&stop)) {
         struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
         if (poll(&pfd, 1, 50) <= 0) continue;
@@ -86,9 +103,16 @@ static void *recv_loop(void *p) {
             iov[i].iov_len = 65536;
             msgs[i].msg_hdr.msg_iov = &iov[i];
             msgs[i].msg_hdr.msg_iovlen = 1;
+            msgs[i].msg_hdr.msg_control = gso ? ctrl[i] : NULL;
+            msgs[i].msg_hdr.msg_controllen = gso ? sizeof ctrl[i] : 0;
         }
         int r = recvmmsg(w->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
-        if (r > 0) w->count += (uint64_t)r;
+        for (int i = 0; i < r; i++) { /* a coalesced buffer: msg_len / its segment size datagrams */
+            int seg = 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(&msgs[i].msg_hdr); gso && c; c = CMSG_NXTHDR(&msgs[i].msg_hdr, c))
+                if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) memcpy(&seg, CMSG_DATA(c), sizeof seg);
+            w->count += seg > 0 ? (msgs[i].msg_len + (unsigned)seg - 1) / (unsigned)seg : 1;
+        }
     }
     free(bufs);
     return NULL;
@@ -96,12 +120,17 @@ static void *recv_loop(void *p) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s DATAGRAM_BYTES SECONDS [SENDERS [RECEIVERS]]\n", argv[0]);
+        fprintf(stderr, "usage: %s DATAGRAM_BYTES SECONDS [SENDERS [RECEIVERS [gso]]]\n", argv[0]);
         return 2;
     }
     dgram = (size_t)atol(argv[1]);
     double seconds = atof(argv[2]);
     int senders = argc > 3 ? atoi(argv[3]) : 1, receivers = argc > 4 ? atoi(argv[4]) : 1;
+    if (argc > 5 && strcmp(argv[5], "gso") == 0) {
+        gso = (int)(65507 / (dgram ? dgram : 1));
+        if (gso > 64) gso = 64;
+        if (gso < 2) gso = 0;
+    }
     if (dgram < 1 || dgram > 65507 || seconds <= 0 || senders < 1 || senders > MAX_THREADS || receivers < 1 ||
         receivers > MAX_THREADS) {
         fprintf(stderr, "bad arguments\n");
@@ -143,8 +172,12 @@ int main(int argc, char **argv) {
         pthread_join(rx[i].tid, NULL);
         received += rx[i].count;
     }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 + (double)ru.ru_stime.tv_sec +
+                 (double)ru.ru_stime.tv_usec * 1e-6;
     printf("{\"datagram\": %zu, \"seconds\": %.6f, \"sent\": %llu, \"received\": %llu, \"senders\": %d, "
-           "\"receivers\": %d}\n",
-           dgram, t1 - t0, (unsigned long long)sent, (unsigned long long)received, senders, receivers);
+           "\"receivers\": %d, \"gso_segments\": %d, \"cpu_seconds\": %.3f}\n",
+           dgram, t1 - t0, (unsigned long long)sent, (unsigned long long)received, senders, receivers, gso, cpu);
     return 0;
 }

@@ -229,7 +229,9 @@ def test_two_jobs_are_isolated(agg: SoftwareAggregator, socks: list[socket.socke
 def test_counters_layout(agg: SoftwareAggregator) -> None:
     agg.add_job(3, 1, 0, 1, 8, 1, fake_addrs(1))
     c = agg.counters()
-    assert set(c) == {"rx", "tx", "rx_bytes", "tx_bytes", "drops", "faults", "jobs", "threads"}
+    assert set(c) == {
+        "rx", "tx", "rx_bytes", "tx_bytes", "gso_sends", "gro_receives", "drops", "faults", "jobs", "threads",
+    }  # fmt: skip
     assert len(c["threads"]) == agg.threads
     assert all(set(t) == {"rx", "tx", "dropped", "aggregated", "misrouted"} for t in c["threads"])
     assert list(c["drops"]) == list(DROP_REASONS)

@@ -44,6 +44,7 @@ def test_c_constants_match_protocol_py() -> None:
         "P4_NUM_SLOTS",
         "MAX_UDP_PAYLOAD",
         "MAX_K",
+        "IPV4_UDP_HEADERS",
     ):
         assert c[name] == getattr(protocol, name), name
     assert c["DROP_NREASONS"] == len(protocol.DROP_REASONS)

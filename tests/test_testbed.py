@@ -63,15 +63,17 @@ PREFIX = f"sat{NAME}-"
 
 
 def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> None:
-    """A window of 16 slots of 32 kB packets on a 20 Mbit/s link: the capped links queue it instead
-    of dropping its tail (a token bucket holding 100 ms at that rate would drop a third of it and
-    cost a resend per drop), and the queueing is not taken for loss. Exact sums as ever."""
+    """A window of 512 KiB (59 slots of frame-sized packets, K by the links' MTU 9000) on a 20 Mbit/s
+    link: the capped links queue it instead of dropping its tail (a token bucket holding 100 ms at
+    that rate would drop half of it and cost a resend per drop), and the queueing is not taken for
+    loss. Exact sums as ever."""
     import numpy as np
 
     from switchagg import Session
     from switchagg.aggregator import SoftwareAggregator, new_key
 
-    n, k, slots, length = 2, 8192, 16, 8192 * 96
+    k = protocol.k_for_mtu(9000)
+    n, slots, length = 2, protocol.window_slots(k), 8192 * 96
     with Testbed(n, tmp_path / "bed", data_plane="soft", rate_mbit=20) as bed:
         with netns.in_netns(bed.switch_ns):
             agg = SoftwareAggregator(host=AGG_IP, port=protocol.UDP_PORT).start()

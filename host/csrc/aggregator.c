@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/udp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -115,8 +116,113 @@ SA_KERNEL static void k_add(uint32_t *restrict v, const uint32_t *restrict p, ui
     for (uint32_t e = 0; e < k; e++) v[e] += __builtin_bswap32(p[e]);
 }
 
+static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y);
+
+/* Sends out[idx[0..count)] one datagram each. */
+static void send_each(struct sa_agg_thread *t, const size_t *idx, size_t count) {
+    for (size_t i = 0; i < count; i++) {
+        struct out_msg *o = &t->out[idx[i]];
+        t->tx_iov[i][0].iov_base = &o->head;
+        t->tx_iov[i][0].iov_len = sizeof o->head;
+        t->tx_iov[i][1].iov_base = (void *)o->payload;
+        t->tx_iov[i][1].iov_len = o->payload_len;
+        memset(&t->tx_msgs[i], 0, sizeof t->tx_msgs[i]);
+        t->tx_msgs[i].msg_hdr.msg_name = &o->dst;
+        t->tx_msgs[i].msg_hdr.msg_namelen = sizeof o->dst;
+        t->tx_msgs[i].msg_hdr.msg_iov = t->tx_iov[i];
+        t->tx_msgs[i].msg_hdr.msg_iovlen = 2;
+    }
+    size_t done = 0;
+    while (done < count) { /* bounded: every iteration sends >= 1 datagram or skips one that failed */
+        int r = sendmmsg(t->fd, &t->tx_msgs[done], (unsigned)(count - done), 0);
+        if (r > 0) {
+            t->tx += (uint64_t)r;
+            for (int i = 0; i < r; i++) t->tx_bytes += t->tx_msgs[done + (size_t)i].msg_len;
+            done += (size_t)r;
+        } else if (r < 0 && errno == EINTR) {
+            continue;
+        } else {
+            done++; /* e.g. ECONNREFUSED from an earlier ICMP error: UDP loses this one */
+        }
+    }
+}
+
+/* The queued results regrouped by destination (a worker's results keep their order: it is the order
+ * RACK relies on; across workers order does not matter), each group of one size sent as one UDP
+ * GSO datagram train: a sendmsg per worker and batch instead of one per result. Where the kernel
+ * refuses (EIO: no checksum offload; EINVAL: a segment above the device's MTU), GSO is off for
+ * this thread and the rest goes one datagram each. */
+static void flush_gso(struct sa_agg_thread *t) {
+    size_t m = t->n_out, nmsg = 0, nidx = 0, niov = 0;
+    uint8_t taken[SA_OUT_MSGS] = {0};
+    for (size_t i = 0; i < m; i++) {
+        if (taken[i]) continue;
+        const struct out_msg *o = &t->out[i];
+        size_t len = sizeof o->head + o->payload_len;
+        int max = sa_gso_segments(len, 0);
+        size_t segs = 0, first_iov = niov;
+        t->tx_first[nmsg] = nidx;
+        for (size_t j = i; j < m && segs < (size_t)(max ? max : 1); j++) {
+            struct out_msg *q = &t->out[j];
+            if (taken[j] || !same_addr(&q->dst, &o->dst) || sizeof q->head + q->payload_len != len) continue;
+            taken[j] = 1;
+            t->tx_idx[nidx++] = j;
+            t->tx_flat[niov].iov_base = &q->head;
+            t->tx_flat[niov++].iov_len = sizeof q->head;
+            t->tx_flat[niov].iov_base = (void *)q->payload;
+            t->tx_flat[niov++].iov_len = q->payload_len;
+            segs++;
+        }
+        struct msghdr *h = &t->tx_msgs[nmsg].msg_hdr;
+        memset(&t->tx_msgs[nmsg], 0, sizeof t->tx_msgs[nmsg]);
+        h->msg_name = (void *)&o->dst;
+        h->msg_namelen = sizeof o->dst;
+        h->msg_iov = &t->tx_flat[first_iov];
+        h->msg_iovlen = niov - first_iov;
+        if (segs > 1) {
+            h->msg_control = t->tx_ctrl[nmsg];
+            h->msg_controllen = sizeof t->tx_ctrl[nmsg];
+            struct cmsghdr *c = CMSG_FIRSTHDR(h);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t gso = (uint16_t)len;
+            memcpy(CMSG_DATA(c), &gso, sizeof gso);
+        }
+        t->tx_segs[nmsg++] = segs;
+    }
+    size_t done = 0;
+    while (done < nmsg) {
+        int r = sendmmsg(t->fd, &t->tx_msgs[done], (unsigned)(nmsg - done), 0);
+        if (r > 0) {
+            for (int i = 0; i < r; i++) {
+                t->tx += t->tx_segs[done + (size_t)i];
+                t->tx_bytes += t->tx_msgs[done + (size_t)i].msg_len;
+                t->gso_sends += t->tx_segs[done + (size_t)i] > 1;
+            }
+            done += (size_t)r;
+        } else if (r < 0 && errno == EINTR) {
+            continue;
+        } else if (r < 0 && t->tx_segs[done] > 1 &&
+                   (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+            t->gso = 0; /* this kernel or device cannot: one datagram each from now on */
+            size_t from = t->tx_first[done];
+            memmove(t->tx_idx, t->tx_idx + from, (nidx - from) * sizeof *t->tx_idx);
+            send_each(t, t->tx_idx, nidx - from);
+            return;
+        } else {
+            done++; /* e.g. ECONNREFUSED from an earlier ICMP error: UDP loses these */
+        }
+    }
+}
+
 static void flush_out(struct sa_agg_thread *t) {
     size_t m = t->n_out;
+    if (t->gso && m > 1) {
+        flush_gso(t);
+        t->n_out = 0;
+        return;
+    }
     for (size_t i = 0; i < m; i++) {
         struct out_msg *o = &t->out[i];
         t->tx_iov[i][0].iov_base = &o->head;
@@ -445,7 +551,11 @@ static int open_socket(struct sa_agg *a, int i, struct sockaddr_in *sa, const ch
     int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return SA_ERR_SYS;
     a->th[i].fd = fd;
+    if (sa_set_dont_fragment(fd) != 0) return SA_ERR_SYS; /* results leave whole or not at all */
     sa_set_sockbuf(fd, 64 << 20);
+    /* GSO is asked per send (a cmsg: jobs differ in K); GRO where the kernel has it */
+    a->th[i].gso = sa_gso_allowed();
+    a->th[i].gro = a->th[i].gso && sa_set_gro(fd, 1) == 0;
     if (a->nthreads > 1) {
         int one = 1;
         if (setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) return SA_ERR_SYS;
@@ -681,6 +791,8 @@ int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
             out->tx += t->tx;
             out->rx_bytes += t->rx_bytes;
             out->tx_bytes += t->tx_bytes;
+            out->gso_sends += t->gso_sends;
+            out->gro_receives += t->gro_receives;
             for (int d = 0; d < SA_DROP_NREASONS; d++) {
                 out->drops[d] += t->drops[d];
                 tc->dropped += t->drops[d];
@@ -697,28 +809,78 @@ int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
     return SA_OK;
 }
 
-/* Serve one received batch: fault injection in, the algorithm, then send what it produced. */
+/* The thread that owns a datagram's slot, as the steering program picks it (too short: thread 0). */
+static uint16_t owner_of(const struct sa_agg *a, const uint8_t *p, size_t len) {
+    if (a->nthreads < 2 || len < offsetof(struct sa_header, pool) + 2) return 0;
+    uint16_t pool;
+    memcpy(&pool, p + offsetof(struct sa_header, pool), sizeof pool);
+    return (uint16_t)((ntohs(pool) & SA_POOL_SLOT_MASK) % (uint32_t)a->nthreads);
+}
+
+/* Serve one received batch: fault injection in, the algorithm, then send what it produced. A
+ * datagram of another thread's slot (a GSO train is steered and queued whole, by its first
+ * datagram's slot; or it came before the group had all its sockets) is served afterwards by the
+ * owner's state under the owner's lock, which this thread then holds alone: slot state stays one
+ * thread's at a time, and no thread ever holds two locks but lock_all. */
 static void serve_batch(struct sa_agg_thread *t, int got) {
-    const struct sa_agg *a = t->a;
+    struct sa_agg *a = t->a;
     pthread_mutex_lock(&t->lock);
+    t->n_foreign = 0;
     for (int i = 0; i < got; i++) {
-        t->rx++;
-        t->rx_bytes += t->rx_msgs[i].msg_len;
-        int times = 1;
-        if (a->drop_in > 0 && sa_rand01(&t->rng) < a->drop_in) {
-            t->faults[SA_F_DROPPED_IN]++;
-            continue;
-        }
-        if (a->dup_in > 0 && sa_rand01(&t->rng) < a->dup_in) {
-            t->faults[SA_F_DUPLICATED_IN]++;
-            times = 2;
-        }
-        for (int r = 0; r < times; r++)
-            process(t, t->rx_iov[i].iov_base, t->rx_msgs[i].msg_len, &t->rx_addr[i]);
+        /* A coalesced (GRO) receive holds several datagrams of one size back to back: each is one */
+        const uint8_t *buf = t->rx_iov[i].iov_base;
+        size_t total = t->rx_msgs[i].msg_len, step = t->gro ? (size_t)sa_gro_size(&t->rx_msgs[i].msg_hdr) : 0;
+        if (step == 0 || step > total) step = total;
+        if (step < total) t->gro_receives++;
+        size_t off = 0;
+        do {
+            size_t len = total - off < step ? total - off : step;
+            t->rx++;
+            t->rx_bytes += len;
+            int times = 1;
+            if (a->drop_in > 0 && sa_rand01(&t->rng) < a->drop_in) {
+                t->faults[SA_F_DROPPED_IN]++;
+                off += step;
+                continue;
+            }
+            if (a->dup_in > 0 && sa_rand01(&t->rng) < a->dup_in) {
+                t->faults[SA_F_DUPLICATED_IN]++;
+                times = 2;
+            }
+            uint16_t owner = owner_of(a, buf + off, len);
+            for (int r = 0; r < times; r++) {
+                if (owner == t->index) {
+                    process(t, buf + off, len, &t->rx_addr[i]);
+                } else if (t->n_foreign < SA_MAX_FOREIGN) {
+                    t->foreign[t->n_foreign++] = (struct foreign_dgram){buf + off, (uint32_t)len, (uint16_t)i, owner};
+                } else {
+                    t->misrouted++; /* cannot happen (64 per buffer at most); a loss if it did */
+                }
+            }
+            off += step;
+        } while (off < total);
     }
     flush_out(t);
     t->n_payloads = 0;
     pthread_mutex_unlock(&t->lock);
+    for (int u = 0; u < a->nthreads && t->n_foreign; u++) { /* each owner once, in its own batch */
+        if (u == t->index) continue;
+        struct sa_agg_thread *o = &a->th[u];
+        int locked = 0;
+        for (size_t f = 0; f < t->n_foreign; f++) {
+            if (t->foreign[f].owner != u) continue;
+            if (!locked) {
+                pthread_mutex_lock(&o->lock);
+                locked = 1;
+            }
+            process(o, t->foreign[f].p, t->foreign[f].len, &t->rx_addr[t->foreign[f].msg]);
+        }
+        if (locked) {
+            flush_out(o);
+            o->n_payloads = 0;
+            pthread_mutex_unlock(&o->lock);
+        }
+    }
 }
 
 /* One thread's loop on its socket until stop, halt, the deadline or the tick (thread 0 only). */
@@ -752,6 +914,10 @@ static int serve_loop(struct sa_agg_thread *t, uint64_t deadline_ns, int (*tick)
             t->rx_msgs[i].msg_hdr.msg_namelen = sizeof t->rx_addr[i];
             t->rx_msgs[i].msg_hdr.msg_iov = &t->rx_iov[i];
             t->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+            if (t->gro) {
+                t->rx_msgs[i].msg_hdr.msg_control = t->rx_ctrl[i];
+                t->rx_msgs[i].msg_hdr.msg_controllen = sizeof t->rx_ctrl[i];
+            }
         }
         int got = recvmmsg(t->fd, t->rx_msgs, SA_BATCH, MSG_DONTWAIT, NULL);
         if (got < 0) {

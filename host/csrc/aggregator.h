@@ -18,6 +18,7 @@
 #define SA_BATCH 64                    /* datagrams per recvmmsg */
 #define SA_RX_BUF 65536                /* > largest UDP payload, so nothing is cut */
 #define SA_OUT_MSGS 512                /* queued results before a forced flush */
+#define SA_MAX_FOREIGN (SA_BATCH * 64) /* another thread's datagrams in one batch: 64 per GRO buffer at most */
 #define SA_NJOB_IDS 65536
 #define SA_NUM_SLOTS (SA_POOL_SLOT_MASK + 1)
 #define SA_JOB_COUNTERS 7              /* protocol.JOB_COUNTERS, then LEAF_COUNTERS (a leaf's job) */
@@ -54,6 +55,7 @@ struct sa_thread_counters {
 struct sa_agg_counters {
     uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N]; /* summed over the threads */
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes, summed over the threads */
+    uint64_t gso_sends, gro_receives; /* sends of several results at once, receives of several datagrams */
     size_t njobs;
     struct sa_job_counters *jobs;    /* malloc'ed */
     int nthreads;
@@ -83,17 +85,35 @@ struct sa_agg_thread {
     pthread_mutex_t lock;
     uint64_t rx, tx, misrouted, drops[SA_DROP_NREASONS], faults[SA_F_N];
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes: datagrams as received, results as sent */
+    uint64_t gso_sends, gro_receives;
+    int gso, gro;                    /* UDP GSO sends and UDP_GRO receives are on (sa_agg_open, SWITCHAGG_GSO) */
     /* Owned by the thread while serving: */
     uint8_t *rx_bufs;
     struct mmsghdr rx_msgs[SA_BATCH];
     struct iovec rx_iov[SA_BATCH];
     struct sockaddr_in rx_addr[SA_BATCH];
+    char rx_ctrl[SA_BATCH][CMSG_SPACE(sizeof(int))];
     struct out_msg out[SA_OUT_MSGS];
     size_t n_out;
     uint8_t *out_payloads;
     size_t n_payloads;
     struct mmsghdr tx_msgs[SA_OUT_MSGS];
     struct iovec tx_iov[SA_OUT_MSGS][2];
+    /* GSO: the queued results regrouped by destination, a send of up to SA_GSO_MAX_SEGS each */
+    struct iovec tx_flat[2 * SA_OUT_MSGS];
+    size_t tx_idx[SA_OUT_MSGS];      /* out[] indices in send order */
+    size_t tx_first[SA_OUT_MSGS];    /* per send: its first entry in tx_idx */
+    size_t tx_segs[SA_OUT_MSGS];     /* per send: results in it */
+    char tx_ctrl[SA_OUT_MSGS][CMSG_SPACE(sizeof(uint16_t))];
+    /* Datagrams of other threads' slots in this batch (a GSO train is steered, and queued, as a whole
+     * by its first datagram's slot): each is served by its owner's state under the owner's lock */
+    struct foreign_dgram {
+        const uint8_t *p;
+        uint32_t len;
+        uint16_t msg;                /* its rx_addr index */
+        uint16_t owner;
+    } foreign[SA_MAX_FOREIGN];
+    size_t n_foreign;
 } __attribute__((aligned(64)));
 
 struct sa_agg {

@@ -27,6 +27,7 @@
 #define SA_P4_NUM_SLOTS 1024
 #define SA_MAX_UDP_PAYLOAD 65507
 #define SA_MAX_K ((SA_MAX_UDP_PAYLOAD - SA_HEADER_LEN) / 4)
+#define SA_IPV4_UDP_HEADERS 28 /* IPv4 (no options) + UDP: a datagram of L bytes is an IP packet of L + 28 */
 
 /* Drop reasons, in the order of protocol.DROP_REASONS. */
 enum sa_drop {

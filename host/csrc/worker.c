@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -31,11 +32,17 @@
 #include "sockets.h"
 
 #define BATCH 64
+#define GRO_BATCH 16      /* coalesced receives per recvmmsg: each buffer is SA_GRO_BUF */
+#define GSO_MSGS 16       /* GSO sends per sendmmsg: up to SA_GSO_MAX_SEGS packets each */
 #define FAST_RETRANSMIT 3 /* later packets answered before a packet is taken for lost, as TCP's dupacks */
 #define REO_MAX_STEPS 16  /* RACK's reordering window grows to 4 round trips more at most */
 #define REO_DECAY 16      /* fast retransmits without a spurious one before the extra window halves */
+#define INITIAL_RTO_NS 200000000ull /* the timer before any round trip was measured (RFC 6298 says 1 s) */
+#define TLP_MIN_NS 1000000 /* a tail loss probe waits 2 round trips, and at least this (scheduling noise) */
+#define TLP_MAX_SHIFT 8   /* spurious probes double the wait, up to 256 times (the timer bounds it anyway) */
 
 enum { SLOT_PRIME, SLOT_DATA, SLOT_ABORT, SLOT_DONE };
+enum { WATCH_FAST = 1, WATCH_PROBE = 2 };
 
 typedef struct {
     int64_t chunk;     /* chunk index this slot currently carries */
@@ -46,11 +53,13 @@ typedef struct {
     uint64_t seq;      /* order of its first transmission: the order every worker sends, so results come in it */
     int passed;        /* results of packets sent after it that came back before its own */
     int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
+    int probe;         /* resent as a tail loss probe this round: RACK leaves it to the timer then */
+    int lost;          /* its timer expired: resent when returning results make room (slow start) */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
-    /* Its last round (on the set before sets[slot]) was fast-retransmitted: a second RESULT of that
-     * round (the stored result the aggregator unicasts to a resend that reached a complete slot)
-     * shows the resend was spurious. */
+    /* Its last round (on the set before sets[slot]) was fast-retransmitted (WATCH_FAST) or probed
+     * (WATCH_PROBE): a second RESULT of that round (the stored result the aggregator unicasts to a
+     * resend that reached a complete slot) shows the resend was spurious. */
     int watch;
     uint32_t watch_offset;
 } slot_t;
@@ -78,6 +87,7 @@ int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, 
     if (w->fd < 0 || bind(w->fd, (struct sockaddr *)&w->local, sizeof w->local) != 0) return -2;
     socklen_t sl = sizeof w->local;
     getsockname(w->fd, (struct sockaddr *)&w->local, &sl);
+    if (sa_set_dont_fragment(w->fd) != 0) return -2;
     sa_set_sockbuf(w->fd, 16 << 20);
     if (rcvbuf > 0) (void)setsockopt(w->fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
     return 0;
@@ -108,11 +118,26 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
                     c->agg_port);
     /* connect(): the kernel then only delivers datagrams from the aggregator to us. */
     if (connect(w->fd, (struct sockaddr *)&agg, sizeof agg) != 0) return -2;
+    /* DF is set (sa_worker_open): a datagram larger than the path MTU would fail every send with
+     * EMSGSIZE, and a fragmented one would be lost with any of its frames. Say so now. */
+    w->path_mtu = sa_path_mtu(w->fd);
+    if (w->path_mtu > 0 && SA_HEADER_LEN + 4 * (size_t)c->k + SA_IPV4_UDP_HEADERS > (size_t)w->path_mtu)
+        return sa_fail(err, errlen, "K=%d makes %d-byte IP packets, more than the MTU of %d bytes on the path to "
+                    "%s:%d (packets are never fragmented): use K <= %d, or leave K unset to choose it from the MTU",
+                    c->k, SA_HEADER_LEN + 4 * c->k + SA_IPV4_UDP_HEADERS, w->path_mtu, c->agg_host, c->agg_port,
+                    (w->path_mtu - SA_IPV4_UDP_HEADERS - SA_HEADER_LEN) / 4);
     free_bufs(w);
     w->pkt_len = SA_HEADER_LEN + 4 * (size_t)c->k;
+    /* GSO: frame-sized packets at the cost of a big datagram per syscall; off where the kernel says no
+     * (a later send that fails with EIO, e.g. no checksum offload, turns it off too) */
+    w->gso_segs = sa_gso_allowed() ? sa_gso_segments(w->pkt_len, w->path_mtu) : 0;
+    if (w->gso_segs && sa_set_gso(w->fd, (int)w->pkt_len) != 0) w->gso_segs = 0;
+    if (!w->gso_segs) (void)sa_set_gso(w->fd, 0);
+    w->gro = sa_gso_allowed() && sa_set_gro(w->fd, 1) == 0;
+    if (!w->gro) (void)sa_set_gro(w->fd, 0);
     w->sets = calloc((size_t)c->slot_count, 1);
     w->pkts = malloc((size_t)c->slot_count * w->pkt_len);
-    w->rx = malloc(BATCH * w->pkt_len);
+    w->rx = malloc(w->gro ? GRO_BATCH * (size_t)SA_GRO_BUF : BATCH * w->pkt_len);
     if (!w->sets || !w->pkts || !w->rx) {
         free_bufs(w);
         errno = ENOMEM;
@@ -140,6 +165,7 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     w->timeout_ns = (uint64_t)(c->timeout * 1e9);
     w->srtt_ns = w->rttvar_ns = 0;
     w->reo_steps = w->reo_clean = 0;
+    w->tlp_shift = w->tlp_clean = 0;
     w->configured = 1;
     w->broken = 0;
     return 0;
@@ -163,6 +189,11 @@ typedef struct {
     size_t outstanding; /* sent and unanswered, at most w->window */
     uint64_t seq;         /* first transmissions so far (resends keep their packet's place) */
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
+    uint64_t last_start;  /* ns: the latest first transmission */
+    int probed;           /* a tail loss probe went out since the latest result: the timer takes over */
+    size_t lost;          /* slots whose timer expired, not resent yet */
+    size_t lost_budget;   /* of them, how many may be resent now: 2 per result (TCP's slow start) */
+    int frto;             /* results since the timeout that resent none of them (F-RTO): 2 say it was a loss */
 } run_t;
 
 
@@ -216,7 +247,62 @@ static void build_packet(run_t *r, size_t i) {
     }
 }
 
+static int send_plain(run_t *r, const size_t *which, size_t count);
+
+/* The kernel cannot segment here (EIO: the device has no checksum offload; EINVAL: the route's MTU
+ * shrank): send one datagram per packet from now on. */
+static int gso_refused(int e) { return e == EIO || e == EINVAL || e == ENOPROTOOPT || e == EOPNOTSUPP; }
+
+/* Packets in GSO sends of up to w->gso_segs each (the socket's UDP_SEGMENT is pkt_len: a send of m
+ * packets leaves as m datagrams), many sends per sendmmsg. */
 static int send_slots(run_t *r, const size_t *which, size_t count) {
+    struct sa_worker *w = r->w;
+    if (w->gso_segs < 2 || count < 2) return send_plain(r, which, count);
+    struct mmsghdr msgs[GSO_MSGS];
+    struct iovec iov[GSO_MSGS * SA_GSO_MAX_SEGS];
+    size_t segs[GSO_MSGS];
+    size_t sent = 0;
+    while (sent < count) {
+        size_t m = 0, used = 0;
+        for (; m < GSO_MSGS && sent + used < count; m++) {
+            size_t take = count - sent - used < (size_t)w->gso_segs ? count - sent - used : (size_t)w->gso_segs;
+            struct iovec *v = &iov[m * SA_GSO_MAX_SEGS];
+            for (size_t j = 0; j < take; j++) {
+                v[j].iov_base = w->pkts + which[sent + used + j] * w->pkt_len;
+                v[j].iov_len = w->pkt_len;
+            }
+            memset(&msgs[m].msg_hdr, 0, sizeof msgs[m].msg_hdr);
+            msgs[m].msg_hdr.msg_iov = v;
+            msgs[m].msg_hdr.msg_iovlen = take;
+            segs[m] = take;
+            used += take;
+        }
+        int rc = sendmmsg(w->fd, msgs, (unsigned)m, 0);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            if (gso_refused(errno)) {
+                w->gso_segs = 0;
+                (void)sa_set_gso(w->fd, 0);
+                return send_plain(r, which + sent, count - sent);
+            }
+            if (errno == EAGAIN || errno == ENOBUFS || errno == ECONNREFUSED || errno == EHOSTUNREACH ||
+                errno == ENETUNREACH) { /* a loss like any other (send_plain) */
+                sent += used;
+                continue;
+            }
+            return -1;
+        }
+        size_t done = 0;
+        for (int i = 0; i < rc; i++) done += segs[i];
+        w->stats.sent += done;
+        w->stats.bytes += done * w->pkt_len;
+        w->stats.gso_sends += (unsigned long long)rc;
+        sent += rc > 0 ? done : used;
+    }
+    return 0;
+}
+
+static int send_plain(run_t *r, const size_t *which, size_t count) {
     struct sa_worker *w = r->w;
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
@@ -249,11 +335,12 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
     return 0;
 }
 
-/* The configured RTO is a floor: a slot's round trip includes waiting for the slowest peer,
- * so it varies far more than a network RTT and a TCP-style estimate fires spuriously. The
- * smoothed estimate only raises the RTO, for data planes slower than the floor (bmv2). */
+/* The configured RTO is a floor (a few ms: a data-centre link's round trip is far shorter): a
+ * slot's round trip includes waiting for the slowest peer, so the smoothed estimate (RFC 6298)
+ * raises it where round trips are longer or vary (bmv2, a loaded link). Before the first sample,
+ * INITIAL_RTO_NS: the first window's answers take as long as the aggregator needs for all of it. */
 static uint64_t current_rto(const struct sa_worker *w) {
-    uint64_t rto = w->srtt_ns + 4 * w->rttvar_ns;
+    uint64_t rto = w->srtt_ns ? w->srtt_ns + 4 * w->rttvar_ns : INITIAL_RTO_NS;
     if (rto < w->rto_ns) rto = w->rto_ns;
     return rto < w->rto_max_ns ? rto : w->rto_max_ns;
 }
@@ -277,7 +364,12 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     const uint32_t *payload = (const uint32_t *)(pkt + SA_HEADER_LEN);
     int64_t c = s->chunk, next = c + w->slot_count;
     if (!s->retried) rtt_sample(w, now - s->sent_at);
-    s->watch = s->fast_done;
+    if (s->lost) { /* answered before its resend: the timeout was spurious (a stall, not a loss), as
+                    * F-RTO (RFC 5682) tells it; the others marked with it are not resent either */
+        for (size_t j = 0; j < r->active; j++) r->slots[j].lost = 0;
+        r->lost = 0;
+    }
+    s->watch = (s->fast_done ? WATCH_FAST : 0) | (s->probe ? WATCH_PROBE : 0);
     s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_ABORT) {
@@ -316,8 +408,10 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->sent_at = now;
     s->retried = 0;
     s->seq = ++r->seq;
+    r->last_start = now;
     s->passed = 0;
     s->fast_done = 0;
+    s->probe = 0;
     r->outstanding++;
 }
 
@@ -371,9 +465,13 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     uint64_t reorder_age = srtt + window + r->w->reo_steps * (srtt / 4);
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
-        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->passed < FAST_RETRANSMIT) continue;
+        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->probe || s->passed < FAST_RETRANSMIT) continue;
         if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
         s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
+        if (s->lost) { /* resent now: not again when its turn after the timeout comes */
+            s->lost = 0;
+            r->lost--;
+        }
         if (++r->w->reo_clean >= REO_DECAY && r->w->reo_steps) { /* RFC 8985: the window shrinks back */
             r->w->reo_steps /= 2;
             r->w->reo_clean = 0;
@@ -391,10 +489,17 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
  * packet, which was late, not lost: a spurious fast retransmit, as a DSACK tells TCP. RACK's
  * reordering window widens by a quarter round trip (RFC 8985, 6.2 step 4), up to REO_MAX_STEPS. */
 static void note_spurious(struct sa_worker *w, slot_t *s) {
+    if (s->watch & WATCH_PROBE) { /* the probe came too early: wait twice as long before the next */
+        w->stats.spurious_probes++;
+        w->tlp_clean = 0;
+        if (w->tlp_shift < TLP_MAX_SHIFT) w->tlp_shift++;
+    }
+    if (s->watch & WATCH_FAST) {
+        w->stats.spurious++;
+        w->reo_clean = 0;
+        if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
+    }
     s->watch = 0; /* once per round */
-    w->stats.spurious++;
-    w->reo_clean = 0;
-    if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
 }
 
 /* Is this datagram the answer to slot's outstanding request? Returns the slot index, or -1 (not an
@@ -428,6 +533,73 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0);
     if ((h->flags & SA_IDENTITY_FLAGS) != want) return -1;
     return i;
+}
+
+/* When a tail loss probe is due (RACK-TLP, RFC 8985 7): two smoothed round trips after the latest
+ * result or first transmission, whichever came last, if packets are outstanding and none was probed
+ * since. RACK needs FAST_RETRANSMIT later packets answered to call one lost, and the last packets of
+ * a call (or a window whose every packet was lost) have none: without a probe they wait for the
+ * retransmission timer. 0: no probe is armed. */
+static uint64_t probe_due(const run_t *r) {
+    const struct sa_worker *w = r->w;
+    if (r->probed || r->outstanding == 0 || w->srtt_ns == 0) return 0;
+    uint64_t pto = (2 * w->srtt_ns < TLP_MIN_NS ? TLP_MIN_NS : 2 * w->srtt_ns) << w->tlp_shift, rto = current_rto(w);
+    if (pto > rto) pto = rto;
+    return (r->last_result > r->last_start ? r->last_result : r->last_start) + pto;
+}
+
+/* The probe: the oldest outstanding packet again (results come in first-send order, so it is the
+ * likeliest lost). Its answer, or that of the resend the aggregator unicasts, re-arms RACK. */
+static size_t tail_probe(run_t *r, size_t *out) {
+    size_t best = r->active;
+    for (size_t i = 0; i < r->active; i++) {
+        const slot_t *s = &r->slots[i];
+        if (s->phase == SLOT_DONE || s->queued) continue;
+        if (best == r->active || s->seq < r->slots[best].seq) best = i;
+    }
+    r->probed = 1;
+    if (best == r->active) return 0;
+    r->slots[best].retried = 1; /* Karn: no round-trip sample from it */
+    if (++r->w->tlp_clean >= REO_DECAY && r->w->tlp_shift) { /* useful probes: shorten the wait again */
+        r->w->tlp_shift--;
+        r->w->tlp_clean = 0;
+    }
+    r->slots[best].probe = 1; /* one early resend per round: RACK leaves it to the timer now */
+    if (r->slots[best].lost) {
+        r->slots[best].lost = 0;
+        r->lost--;
+    }
+    r->w->stats.tail_probes++;
+    r->w->stats.retransmits++;
+    out[0] = best;
+    return 1;
+}
+
+/* Resend up to r->lost_budget of the slots whose timer expired, oldest first; appends to `out`.
+ * After a timeout the window is resent as TCP's is after an RTO: one packet at once, then, once
+ * two results showed it was a loss (F-RTO), two more for every result that comes back. A whole
+ * window resent at once, on a timer that fired because a peer, the aggregator or a link stalled
+ * (a busy CPU, a rank that starts its call late), only adds to the stall. */
+static size_t resend_lost(run_t *r, uint64_t now, size_t *out, size_t nout) {
+    while (r->lost > 0 && r->lost_budget > 0) {
+        size_t best = r->active;
+        for (size_t i = 0; i < r->active; i++)
+            if (r->slots[i].lost && (best == r->active || r->slots[i].seq < r->slots[best].seq)) best = i;
+        if (best == r->active) {
+            r->lost = 0;
+            break;
+        }
+        slot_t *s = &r->slots[best];
+        s->lost = 0;
+        s->retried = 1;
+        s->deadline = now + s->rto;
+        r->lost--;
+        r->lost_budget--;
+        r->w->stats.timeouts++;
+        r->w->stats.retransmits++;
+        out[nout++] = best;
+    }
+    return nout;
 }
 
 /* One call: an allreduce of r->len elements, or (abort) one ABORT packet on chunk 0's slot, sent
@@ -466,11 +638,18 @@ static int run_call(run_t *r, int abort) {
     uint64_t last_progress = now, next_scan = now + current_rto(w);
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
+    char ctrl[BATCH][CMSG_SPACE(sizeof(int))];
+    /* the datagrams of one recvmmsg: a coalesced (GRO) buffer holds several of one size back to back */
+    const uint8_t *seg[GRO_BATCH * SA_GSO_MAX_SEGS > BATCH ? GRO_BATCH * SA_GSO_MAX_SEGS : BATCH];
+    size_t seg_len[sizeof seg / sizeof seg[0]];
     while (r->done < r->active) {
         now = sa_now_ns();
-        int wait_ms = next_scan > now ? (int)((next_scan - now) / 1000000) + 1 : 0;
+        uint64_t wake = next_scan, probe = probe_due(r);
+        if (probe && probe < wake) wake = probe;
+        uint64_t wait_ns = wake > now ? wake - now : 0; /* ns: round trips on a LAN are well under 1 ms */
+        struct timespec ts = {.tv_sec = (time_t)(wait_ns / 1000000000u), .tv_nsec = (long)(wait_ns % 1000000000u)};
         struct pollfd pfd[2] = {{.fd = w->fd, .events = POLLIN}, {.fd = w->cancel_fd, .events = POLLIN}};
-        int pr = poll(pfd, 2, wait_ms);
+        int pr = ppoll(pfd, 2, &ts, NULL);
         if (pr < 0 && errno != EINTR) {
             rc = SA_CALL_OSERROR;
             break;
@@ -481,22 +660,43 @@ static int run_call(run_t *r, int abort) {
         }
         size_t nq = 0;
         if (pr > 0 && (pfd[0].revents & POLLIN)) {
-            for (int j = 0; j < BATCH; j++) {
-                iov[j].iov_base = w->rx + (size_t)j * w->pkt_len;
-                iov[j].iov_len = w->pkt_len;
+            int nbufs = w->gro ? GRO_BATCH : BATCH;
+            size_t bufsz = w->gro ? SA_GRO_BUF : w->pkt_len;
+            for (int j = 0; j < nbufs; j++) {
+                iov[j].iov_base = w->rx + (size_t)j * bufsz;
+                iov[j].iov_len = bufsz;
                 memset(&msgs[j].msg_hdr, 0, sizeof msgs[j].msg_hdr);
                 msgs[j].msg_hdr.msg_iov = &iov[j];
                 msgs[j].msg_hdr.msg_iovlen = 1;
+                if (w->gro) {
+                    msgs[j].msg_hdr.msg_control = ctrl[j];
+                    msgs[j].msg_hdr.msg_controllen = sizeof ctrl[j];
+                }
             }
-            int got = recvmmsg(w->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+            int got = recvmmsg(w->fd, msgs, (unsigned)nbufs, MSG_DONTWAIT, NULL);
             if (got < 0 && errno != EAGAIN && errno != EINTR && errno != ECONNREFUSED) {
                 rc = SA_CALL_OSERROR;
                 break;
             }
+            size_t nseg = 0;
+            for (int j = 0; j < got; j++) { /* walk a coalesced buffer by its segment size */
+                const uint8_t *buf = w->rx + (size_t)j * bufsz;
+                size_t total = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
+                size_t step = w->gro ? (size_t)sa_gro_size(&msgs[j].msg_hdr) : 0;
+                if (step == 0 || step > total) step = total;
+                size_t off = 0;
+                do { /* bounded: a buffer of tiny packets beyond the array is lost, and resent */
+                    if (nseg == sizeof seg / sizeof seg[0]) break;
+                    seg[nseg] = buf + off;
+                    seg_len[nseg++] = total - off < step ? total - off : step;
+                    off += step;
+                } while (off < total);
+                if (w->gro && step < total) w->stats.gro_receives++;
+            }
             now = sa_now_ns();
-            for (int j = 0; j < got && rc == SA_CALL_OK; j++) {
-                const uint8_t *pkt = w->rx + (size_t)j * w->pkt_len;
-                size_t len = (msgs[j].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[j].msg_len;
+            for (size_t j = 0; j < nseg && rc == SA_CALL_OK; j++) {
+                const uint8_t *pkt = seg[j];
+                size_t len = seg_len[j];
                 int poisoned = 0;
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
@@ -515,20 +715,32 @@ static int run_call(run_t *r, int abort) {
                 }
                 w->stats.results++;
                 last_progress = r->last_result = now;
+                r->probed = 0;
+                /* F-RTO (RFC 5682): the first two results after a timeout resend nothing more; if
+                 * either answers a packet the timeout took for lost, it was a stall (all cleared in
+                 * advance_slot), else a loss, and the rest is resent in slow start */
+                if (r->lost) r->lost_budget += ++r->frto > 2 ? 2 : 0;
+                else r->lost_budget = 0;
                 r->outstanding--;
                 note_passed(r, (size_t)i);
                 advance_slot(r, (size_t)i, pkt, now);
             }
             if (rc != SA_CALL_OK) break;
-            nq = release(r, now, queue, fast_retransmits(r, now, queue, 0));
+            nq = release(r, now, queue, resend_lost(r, now, queue, fast_retransmits(r, now, queue, 0)));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
             rc = SA_CALL_OSERROR;
             break;
         }
         now = sa_now_ns();
+        probe = probe_due(r);
+        if (probe && now >= probe && (nq = tail_probe(r, queue)) && send_slots(r, queue, nq) < 0) {
+            rc = SA_CALL_OSERROR;
+            break;
+        }
         if (now >= next_scan) { /* retransmit what timed out, with exponential backoff */
             nq = 0;
+            size_t lost_before = r->lost; /* an earlier timeout's, not found spurious: a loss */
             uint64_t soonest = now + w->rto_max_ns;
             for (size_t i = 0; i < r->active; i++) {
                 slot_t *s = &r->slots[i];
@@ -538,12 +750,14 @@ static int run_call(run_t *r, int abort) {
                 if (due <= now) {
                     s->rto = s->rto * 2 < w->rto_max_ns ? s->rto * 2 : w->rto_max_ns;
                     due = s->deadline = now + s->rto;
-                    s->retried = 1;
-                    queue[nq++] = i;
+                    if (!s->lost) r->lost++;
+                    s->lost = 1;
                 }
                 if (due < soonest) soonest = due;
             }
-            w->stats.retransmits += nq;
+            r->lost_budget = r->lost ? 1 : 0; /* slow start anew: the oldest at once, the rest as results return */
+            r->frto = lost_before ? 2 : 0;
+            nq = resend_lost(r, now, queue, 0);
             if (nq && send_slots(r, queue, nq) < 0) {
                 rc = SA_CALL_OSERROR;
                 break;

@@ -10,6 +10,11 @@
 struct sa_worker_stats {
     unsigned long long sent, retransmits, fast_retransmits, results, stale, bad_key, allreduces, bytes;
     unsigned long long spurious; /* fast retransmits found unneeded: their round was answered twice */
+    unsigned long long tail_probes; /* resends of a tail loss probe (RACK-TLP): no result for 2 round trips */
+    unsigned long long timeouts;    /* resends of the retransmission timer */
+    unsigned long long spurious_probes; /* tail loss probes found unneeded: their round was answered twice */
+    unsigned long long gso_sends;       /* sends of several packets at once (UDP GSO) */
+    unsigned long long gro_receives;    /* receives of several results at once (UDP GRO) */
 };
 
 struct sa_worker {
@@ -32,6 +37,9 @@ struct sa_worker {
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
+    int path_mtu;  /* the route's MTU toward the aggregator (IP_MTU after connect), 0 if unknown */
+    int gso_segs;  /* packets per UDP GSO send (UDP_SEGMENT = the packet size), 0: one per datagram */
+    int gro;       /* UDP_GRO is on: a receive may hold several results of one size */
     uint8_t *sets; /* per slot: the shadow set of its next round, kept across calls */
     uint8_t *pkts; /* per slot: the outstanding packet */
     uint8_t *rx;   /* receive buffers */
@@ -41,6 +49,8 @@ struct sa_worker {
     uint64_t srtt_ns, rttvar_ns; /* smoothed round trip, as TCP (RFC 6298), kept across calls */
     unsigned reo_steps;          /* RACK's reordering window widened by this many quarter round trips */
     unsigned reo_clean;          /* fast retransmits since the last one found spurious */
+    unsigned tlp_shift;          /* a tail loss probe waits 2 round trips times 2^tlp_shift (spurious ones raise it) */
+    unsigned tlp_clean;          /* probes since the last one found spurious */
     struct sa_worker_stats stats;
 };
 

@@ -21,6 +21,11 @@ from switchagg.striping import Shard, Stripes, shard_bounds
 _METRICS_PORT_ENV = "SWITCHAGG_METRICS_PORT"
 _METRICS_HOST_ENV = "SWITCHAGG_METRICS_HOST"
 _KINDS = {np.dtype(np.float32): "f", np.dtype(np.int32): "i"}
+_IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux's value; the socket module names it on Linux only
+# The retransmission timer's floor: a data-centre round trip is well under a millisecond, and the
+# timer follows the measured one above this (TCP's 200 ms or the former 50 ms would idle a slot for
+# hundreds of round trips per loss).
+DEFAULT_RTO = 0.005
 _PER_CALL = ("call", "allreduces")  # stats that count calls, not packets: one per call on every shard
 
 
@@ -61,6 +66,16 @@ def _configure(
     )  # fmt: skip
 
 
+def path_mtu(local_ip: str, aggregator: tuple[str, int]) -> int:
+    """The MTU of the route from ``local_ip`` to ``aggregator`` (IP_MTU of a connected UDP socket:
+    the interface's, or a smaller one the kernel learnt by path MTU discovery; connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        if local_ip not in ("", "0.0.0.0"):
+            s.bind((local_ip, 0))
+        s.connect((aggregator[0], int(aggregator[1])))
+        return int(s.getsockopt(socket.IPPROTO_IP, _IP_MTU))
+
+
 def _warn_small_window(w: _core.Worker, slot_count: int, k: int, window: int) -> None:
     warnings.warn(
         f"switchagg: the socket's receive buffer is {w.rcvbuf} bytes (the rcvbuf asked "
@@ -87,10 +102,10 @@ class Session:
         aggregator: tuple[str, int] | Sequence[tuple[str, int]] = ("127.0.0.1", protocol.UDP_PORT),
         slot_base: int = 0,
         slot_count: int = protocol.DEFAULT_SW_SLOTS,
-        k: int = protocol.DEFAULT_SW_K,
+        k: int | None = None,
         timeout: float = 10.0,
         bind: tuple[str, int] = ("127.0.0.1", 0),
-        rto: float = 0.05,
+        rto: float = DEFAULT_RTO,
         rto_max: float = 1.0,
         rcvbuf: int = 0,
         metrics_port: int | None = None,
@@ -106,6 +121,14 @@ class Session:
         free one, see ``metrics_address``); None: the port $SWITCHAGG_METRICS_PORT names (plus
         $LOCAL_RANK, so that torchrun's ranks on one host do not collide), if set. Bound to
         $SWITCHAGG_METRICS_HOST, default 127.0.0.1. Needs ``pip install switchagg[metrics]``.
+
+        ``k``: values per packet, as installed on the aggregator; None: the most that fits one IP
+        packet on the path to the aggregator (``protocol.k_for_mtu`` of the route's MTU, the least
+        over the shards; DEFAULT_SW_K on loopback), so that nothing is ever fragmented. A K whose
+        packets exceed the path MTU fails here, naming the MTU.
+
+        ``rto``: the retransmission timer's floor, seconds; the timer follows the measured round
+        trip above it (docs/PROTOCOL.md, The worker side).
 
         ``key``: the job's 32-bit result key, as installed on its aggregator (the job service and the
         torch backend hand it out; ``SoftwareAggregator.add_job`` returns it; switchagg-aggregator
@@ -136,6 +159,9 @@ class Session:
             workers = [_worker]
         while len(workers) < len(shards):  # shard 0 on the given port, the others on free ones
             workers.append(_core.Worker(bind[0], 0 if workers else bind[1], rcvbuf))
+        if k is None:
+            mtus = [path_mtu(w.address[0], s.aggregator) for s, w in zip(shards, workers, strict=True)]
+            k = protocol.k_for_mtu(min(mtus))
         for shard, w in zip(shards, workers, strict=True):
             _configure(w, shard, job, rank, world_size, k, rto, rto_max, timeout)
         self._worker = workers[0]

@@ -121,9 +121,11 @@ static PyObject *worker_abort(Worker *self, PyObject *args) {
 
 static PyObject *worker_stats(Worker *self, PyObject *unused) {
     const struct sa_worker_stats *s = &self->w.stats;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
                          s->retransmits, "fast_retransmits", s->fast_retransmits, "spurious_retransmits",
-                         s->spurious, "results", s->results, "stale", s->stale, "bad_key", s->bad_key,
+                         s->spurious, "tail_probes", s->tail_probes, "spurious_probes", s->spurious_probes,
+                         "timeouts", s->timeouts, "gso_sends", s->gso_sends, "gro_receives", s->gro_receives,
+                         "results", s->results, "stale", s->stale, "bad_key", s->bad_key,
                          "allreduces", s->allreduces, "bytes_sent", s->bytes, "call", self->w.call);
 }
 
@@ -167,6 +169,12 @@ static PyObject *worker_window(Worker *self, void *unused) { return PyLong_FromL
 
 static PyObject *worker_rcvbuf(Worker *self, void *unused) { return PyLong_FromLong(self->w.rcvbuf); }
 
+static PyObject *worker_path_mtu(Worker *self, void *unused) { return PyLong_FromLong(self->w.configured ? self->w.path_mtu : 0); }
+
+static PyObject *worker_gso(Worker *self, void *unused) { return PyLong_FromLong(self->w.configured ? self->w.gso_segs : 0); }
+
+static PyObject *worker_gro(Worker *self, void *unused) { return PyBool_FromLong(self->w.configured && self->w.gro); }
+
 static PyObject *worker_rcvbuf_needed(Worker *self, void *unused) {
     return PyLong_FromSize_t(sa_worker_rcvbuf_needed(&self->w));
 }
@@ -194,6 +202,9 @@ static PyGetSetDef worker_getset[] = {
     {"address", (getter)worker_address, NULL, "(ip, port) the socket sends from (after configure(), the real source address)", NULL},
     {"window", (getter)worker_window, NULL, "packets in flight at most (the job's slots, fewer if SO_RCVBUF is small)", NULL},
     {"rcvbuf", (getter)worker_rcvbuf, NULL, "the receive buffer the kernel granted, bytes", NULL},
+    {"gso", (getter)worker_gso, NULL, "packets per UDP GSO send (0: one datagram per send; SWITCHAGG_GSO=0 or the kernel said no)", NULL},
+    {"gro", (getter)worker_gro, NULL, "whether UDP GRO is on (results may arrive coalesced)", NULL},
+    {"path_mtu", (getter)worker_path_mtu, NULL, "the route's MTU toward the aggregator, bytes (0: unknown or not configured)", NULL},
     {"rcvbuf_needed", (getter)worker_rcvbuf_needed, NULL, "the receive buffer the job's full window needs, bytes", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -200,10 +200,11 @@ def _start_aggregator() -> SoftwareAggregator:
     return SoftwareAggregator(host=os.environ.get("SWITCHAGG_BIND") or default_bind(), port=0).start()
 
 
-def _embedded_layout(lanes: int) -> tuple[int, int]:
-    """(K, slots per lane) from SWITCHAGG_K and SWITCHAGG_SLOTS, the window split over the lanes."""
-    k = _env_int("SWITCHAGG_K", protocol.DEFAULT_SW_K, 1, protocol.MAX_K)
-    slots = _env_int("SWITCHAGG_SLOTS", protocol.DEFAULT_SW_SLOTS, 1, protocol.POOL_SLOT_MASK + 1)
+def _embedded_layout(lanes: int, mtu_k: int = protocol.DEFAULT_SW_K) -> tuple[int, int]:
+    """(K, slots per lane) from SWITCHAGG_K and SWITCHAGG_SLOTS, the window split over the lanes;
+    unset, K is ``mtu_k`` (what the ranks' path MTUs allow) and the window protocol.window_slots(K)."""
+    k = _env_int("SWITCHAGG_K", mtu_k, 1, protocol.MAX_K)
+    slots = _env_int("SWITCHAGG_SLOTS", protocol.window_slots(k), 1, protocol.POOL_SLOT_MASK + 1)
     per_lane = slots if lanes == 1 else lane_slots(slots, lanes)
     if per_lane * lanes > protocol.POOL_SLOT_MASK + 1:
         raise ValueError(
@@ -236,6 +237,19 @@ def _parse_host_entry(text: str, rank: int) -> tuple[tuple[str, int], str]:
     """A hosting rank's "HOST:PORT NETWORK": its aggregator's address and its network_identity()."""
     address, _, network = text.partition(" ")
     return parse_host_port(address, f"rank {rank}'s aggregator address"), network
+
+
+def _agreed_k(exchange: Exchange, addresses: list[tuple[str, int]]) -> int:
+    """The K every rank uses: the largest whose packets fit the MTU of every rank's route to every
+    aggregator (a rank beside its aggregator goes through loopback, the others through the network)."""
+    from switchagg.session import path_mtu
+
+    try:
+        bind = _worker_bind(addresses[0][0])[0]
+        mine = str(min(protocol.k_for_mtu(path_mtu(bind, a)) for a in addresses))
+    except (OSError, ValueError) as e:
+        mine = f"{FAILED_MARK}rank {os.environ.get('RANK', '?')}: no path MTU toward the aggregator: {e}"
+    return min(int(v) for v in _gathered(exchange, mine, "find the path MTU"))
 
 
 def _gathered(exchange: Exchange, mine: str, what: str) -> list[str]:
@@ -315,6 +329,8 @@ def _open_embedded(
     sessions: list[Session] = []
     try:
         aggregator, addresses, networks = _host_aggregators(rank, exchange, hosts)
+        if not os.environ.get("SWITCHAGG_K"):  # K by MTU: the least any rank's path to any aggregator allows
+            k, per_lane = _embedded_layout(lanes, _agreed_k(exchange, addresses))
         try:
             mine_network = network_identity()
             for host, address, network in zip(hosts, addresses, networks, strict=True):

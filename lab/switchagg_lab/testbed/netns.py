@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from switchagg import protocol
 from switchagg_lab.testbed.tools import tool_env
 
 _CLONE_NEWNET = 0x40000000
@@ -176,6 +175,22 @@ def link_stats(ns: str, ifname: str) -> dict[str, int]:
     return dict(zip(("bytes", "packets", "dropped", "overlimits"), map(int, m.groups()), strict=True))
 
 
+LOSS_SCALE = 100_000  # numgen's range: loss in steps of 0.001%
+_GSO_MAX_SEGS = 65535  # a device's default gso_max_segs
+
+
+def _loss_table(ifname: str) -> str:
+    """The nftables table of the loss rules on ``ifname`` (one per interface: a switch namespace
+    holds every worker's peer end)."""
+    return "saloss" if ifname == "eth0" else f"saloss_{ifname}"
+
+
+def loss_rule(percent: float) -> str:
+    """An nftables netdev rule that drops ``percent``% of the IPv4 frames it sees, counted."""
+    below = round(percent * LOSS_SCALE / 100)
+    return f"meta protocol ip numgen random mod {LOSS_SCALE} < {below} counter drop"
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A worker host: its own namespace with ``eth0`` cabled to switch port ``port``."""
@@ -186,6 +201,9 @@ class Endpoint:
     ip: str
     port: int  # switch port
     ifname: str = "eth0"
+    # The other end of the cable (namespace, interface), where a Linux bridge takes it: loss toward
+    # the switch is then dropped there, on arrival, where frames are frames (see set_loss).
+    peer: tuple[str, str] | None = None
 
     def host(self) -> Any:
         from switchagg_controller.model import HostPort  # the controller's type; only bmv2 needs it
@@ -209,39 +227,55 @@ class Endpoint:
     def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
         return subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], text=True, **kw)
 
-    def set_loss(self, percent: int) -> None:
-        """Drops ``percent``% of aggregation packets leaving and arriving here (nftables numgen random)."""
+    def set_loss(self, percent: float) -> None:
+        """Drops ``percent``% of the IPv4 frames leaving and arriving here (nftables numgen random),
+        whatever they carry: any fragment of a datagram, a result, gloo's TCP, as congestion and bad
+        optics drop frames, not datagrams. Resolution 0.001%; 0 removes the rules.
+
+        A frame is dropped where it arrives: on this end's ingress hook (toward the worker) and on
+        the peer's (toward the switch). Over veth a GSO or TSO train (up to 64 kB of UDP GSO
+        datagrams or TCP segments) travels as one skb and would meet the dice as one frame; so
+        while loss is on, both ends cut trains into frames as they leave (``gso_max_segs 1``),
+        before the far end's hook. That costs CPU a NIC's segmentation offload would not, for
+        gloo's TCP and switchagg alike. An endpoint without a peer (bmv2 owns the switch's ports,
+        and taps a frame before any ingress hook) drops its outbound frames on egress."""
         if not 0 <= percent <= 100:
             raise ValueError(f"loss must be 0..100 percent, not {percent}")
-        sh("nft", "delete table netdev saloss", ns=self.ns, check=False)
+        ends = [(self.ns, self.ifname)] + ([self.peer] if self.peer else [])
+        for ns, ifname in ends:
+            sh("nft", f"delete table netdev {_loss_table(ifname)}", ns=ns, check=False)
+            sh("ip", "link", "set", ifname, "gso_max_segs", "1" if percent else str(_GSO_MAX_SEGS), ns=ns)
         if percent == 0:
             return
-        # netdev egress/ingress hooks on eth0: a drop there is silent to the sender, like a loss
-        # on the wire (an inet output-hook drop would fail the worker's sendmsg with EPERM).
-        port = protocol.UDP_PORT
-        rules = (
-            "table netdev saloss {\n"
-            f"  chain outbound {{\n    type filter hook egress device {self.ifname} priority 0;\n"
-            "    policy accept;\n"
-            f"    udp dport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
-            f"  chain inbound {{\n    type filter hook ingress device {self.ifname} priority 0;\n"
-            "    policy accept;\n"
-            f"    udp sport {port} numgen random mod 100 < {percent} counter drop\n  }}\n"
-            "}\n"
+        rule = loss_rule(percent)
+        chains = [(self.ns, self.ifname, "inbound", "ingress")]
+        chains.append(
+            (*self.peer, "outbound", "ingress") if self.peer else (self.ns, self.ifname, "outbound", "egress")
         )
-        sh("nft", "-f", "-", ns=self.ns, stdin=rules, timeout=30)
+        for ns, ifname, chain, hook in chains:
+            # netdev hooks: a drop there is silent to the sender, like a loss on the wire (an inet
+            # output-hook drop would fail the worker's sendmsg with EPERM). Every IPv4 frame, not
+            # `udp dport`: that matches a datagram's first fragment only.
+            rules = (
+                f"table netdev {_loss_table(ifname)} {{\n"
+                f"  chain {chain} {{\n    type filter hook {hook} device {ifname} priority 0;\n"
+                f"    policy accept;\n    {rule}\n  }}\n"
+                "}\n"
+            )
+            sh("nft", "-f", "-", ns=ns, stdin=rules, timeout=30)
 
     def lost(self) -> int:
-        """Packets the loss rules dropped so far (both directions)."""
+        """Frames the loss rules dropped so far (both directions)."""
         return sum(self.lost_each_way())
 
     def lost_each_way(self) -> tuple[int, int]:
-        """Packets the loss rules dropped so far: (leaving, arriving)."""
-        out = sh("nft", "list table netdev saloss", ns=self.ns, check=False)
-        counts = {
-            chain: int(n)
-            for chain, n in re.findall(r"chain (outbound|inbound) \{.*?counter packets (\d+)", out, re.S)
-        }
+        """Frames the loss rules dropped so far: (leaving, arriving)."""
+        ends = [(self.ns, self.ifname)] + ([self.peer] if self.peer else [])
+        counts: dict[str, int] = {}
+        for ns, ifname in ends:
+            out = sh("nft", f"list table netdev {_loss_table(ifname)}", ns=ns, check=False)
+            for chain, n in re.findall(r"chain (outbound|inbound) \{.*?counter packets (\d+)", out, re.S):
+                counts[chain] = counts.get(chain, 0) + int(n)
         return counts.get("outbound", 0), counts.get("inbound", 0)
 
 

@@ -90,16 +90,22 @@ class Testbed(netns.Bed):
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}\.", subnet):
             raise ValueError(f"a testbed subnet looks like '10.201.0.', not {subnet!r}")
         self.subnet, self.agg_ip = subnet, f"{subnet}254"
+        # The soft switch's ports are a bridge's: loss toward the switch is dropped there (Endpoint.set_loss).
+        soft = data_plane == "soft"
         self.endpoints = [
-            Endpoint(i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{subnet}{i + 1}", i + 1)
+            Endpoint(
+                i, f"{self.prefix}h{i}", f"02:5a:00:00:00:{i + 1:02x}", f"{subnet}{i + 1}", i + 1,
+                peer=(self.switch_ns, f"p{i + 1}") if soft else None,
+            )
             for i in range(n)
-        ]
+        ]  # fmt: skip
         self.reducer_hosts = [
             Endpoint(
-                i, f"{self.prefix}r{i}", f"02:5a:00:00:01:{i + 1:02x}", f"{subnet}{REDUCER_HOST + i}", 64 + i
+                i, f"{self.prefix}r{i}", f"02:5a:00:00:01:{i + 1:02x}", f"{subnet}{REDUCER_HOST + i}", 64 + i,
+                peer=(self.switch_ns, f"p{64 + i}"),
             )
             for i in range(reducers)
-        ]
+        ]  # fmt: skip
         self.switch: Bmv2Switch | None = None
         if data_plane == "bmv2":
             ports = [(e.port, self.switch_port(e)) for e in self.endpoints]

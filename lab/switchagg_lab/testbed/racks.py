@@ -83,7 +83,10 @@ class Racks(netns.Bed):
             for j in range(count):
                 i = len(self.workers)
                 mac = f"02:5b:00:00:{rack + 1:02x}:{j + 1:02x}"
-                self.workers.append(Endpoint(i, f"{self.prefix}h{i}", mac, rack_ip(rack, j + 1), j + 1))
+                peer = (f"{self.prefix}l{rack}", f"p{j + 1}")  # its leaf's bridge port (see start)
+                self.workers.append(
+                    Endpoint(i, f"{self.prefix}h{i}", mac, rack_ip(rack, j + 1), j + 1, peer=peer)
+                )
                 self.rack_of.append(rack)
         self.leaves = [
             Leaf(
@@ -97,6 +100,7 @@ class Racks(netns.Bed):
                     f"10.212.0.{rack + 1}",
                     0,
                     ifname="up0",
+                    peer=(self.spine_ns, f"u{rack}"),
                 ),
             )  # fmt: skip
             for rack in range(len(racks))

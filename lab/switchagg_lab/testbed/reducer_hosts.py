@@ -12,7 +12,7 @@ from pathlib import Path
 
 from switchagg import protocol
 from switchagg_lab.testbed.rack import Testbed
-from switchagg_lab.testbed.testbed_controller import _secret, _serve_argv, _spawn
+from switchagg_lab.testbed.testbed_controller import _secret, _serve_argv, _spawn, sw_layout
 
 
 def aggregator_module() -> str:
@@ -49,11 +49,12 @@ def start_reducers(bed: Testbed, workdir: Path) -> tuple[Path, dict[str, int]]:
 def start_reducer_service(
     bed: Testbed,
     workdir: Path,
-    sw_k: int = protocol.DEFAULT_SW_K,
-    sw_slots: int = protocol.DEFAULT_SW_SLOTS,
+    sw_k: int | None = None,
+    sw_slots: int | None = None,
 ) -> dict[str, int]:
     """The reducers, then the job service (switch namespace) with them as its pool and its own
     software aggregator at the switch's address. Returns the pids by role."""
+    sw_k, sw_slots = sw_layout(bed.mtu, sw_k, sw_slots)
     pool, pids = start_reducers(bed, workdir)
     argv = _serve_argv(workdir) + [
         "--reducers", str(pool), "--software", "--software-listen", f"{bed.agg_ip}:{protocol.UDP_PORT}",

@@ -97,6 +97,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "racks": args.racks,
         "uplink_rate_mbit": args.uplink_rate,
         "reducers": args.reducers,
+        "loss": args.loss,
     }
 
 
@@ -174,6 +175,7 @@ def _healthy(name: str, state: dict[str, Any]) -> bool:
 
 def _check_tools(spec: dict[str, Any]) -> None:
     needed = ["ip", "tc"] + (["ethtool"] if spec["data_plane"] == "bmv2" else [])
+    needed += ["nft"] if spec.get("loss") else []
     reason = tools.missing_for(needed, "switchagg-testbed")
     if reason is None and spec["data_plane"] == "bmv2":
         reason = tools.missing_bmv2()
@@ -210,6 +212,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         if not 1 <= spec["reducers"] <= MAX_REDUCERS:
             raise CliError(f"--reducers must be within 1..{MAX_REDUCERS}")
+    if not 0 <= spec["loss"] < 100:
+        raise CliError("--loss is a percentage of frames in [0, 100)")
     _check_tools(spec)
     state = _load(args.name)
     if state is not None and _healthy(args.name, state):
@@ -223,6 +227,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     bed = _bed(args.name, spec)
     try:
         bed.start()
+        for e in bed.endpoints:  # both ways at every worker's link: what a lossy fabric does
+            e.set_loss(spec["loss"])
         if isinstance(bed, Racks):
             pids = start_two_level_service(bed, workdir, spec["sw_k"], spec["sw_slots"])
         elif bed.reducer_hosts:
@@ -237,6 +243,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = {"spec": spec, "prefix": bed.prefix, "pids": pids, "created": time.time()}
     (workdir / "state.json").write_text(json.dumps(state, indent=1))
     rate = f"{spec['rate_mbit']:g} Mbit/s" if spec["rate_mbit"] else "uncapped"
+    if spec["loss"]:
+        rate += f", {spec['loss']:g}% of frames lost each way"
     workers = ", ".join(e.ip for e in bed.endpoints)
     if isinstance(bed, Racks):
         uplinks = f"{spec['uplink_rate_mbit']:g} Mbit/s" if spec["uplink_rate_mbit"] else "uncapped"
@@ -479,8 +487,21 @@ def build_parser() -> argparse.ArgumentParser:
         "workers'): jobs are striped across them (SWITCHAGG_SHARDS=0 runs one on the switch)",
     )
     p.add_argument("--mtu", type=int, help="link MTU (default 9000 software, 1500 bmv2)")
-    p.add_argument("--sw-k", type=int, default=protocol.DEFAULT_SW_K, help="K of the software aggregator")
-    p.add_argument("--sw-slots", type=int, default=protocol.DEFAULT_SW_SLOTS, help="slots per software job")
+    p.add_argument(
+        "--loss",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="drop PCT%% of the IPv4 frames each way on every worker link (nftables; fragments too)",
+    )
+    p.add_argument(
+        "--sw-k", type=int, help="K of the software aggregator (default: the most one frame carries)"
+    )
+    p.add_argument(
+        "--sw-slots",
+        type=int,
+        help=f"slots per software job (default: {protocol.WINDOW_BYTES >> 10} KiB of packets in flight)",
+    )
     p.set_defaults(func=cmd_up)
 
     p = named(sub.add_parser("run", help="run a command in every worker namespace"))

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 SERVICE_WAIT = 60.0
 
 
+def sw_layout(mtu: int, sw_k: int | None = None, sw_slots: int | None = None) -> tuple[int, int]:
+    """(K, slots) of the software aggregator's jobs on links of ``mtu``: unless given, the largest
+    K that one frame carries (nothing is ever fragmented) and a window of protocol.WINDOW_BYTES."""
+    k = protocol.k_for_mtu(mtu) if sw_k is None else sw_k
+    return k, protocol.window_slots(k) if sw_slots is None else sw_slots
+
+
 def service_address(workdir: Path) -> str:
     return f"unix:{workdir / 'jobs.sock'}"
 
@@ -30,13 +37,14 @@ def service_address(workdir: Path) -> str:
 def start_job_service(
     bed: Testbed,
     workdir: Path,
-    sw_k: int = protocol.DEFAULT_SW_K,
-    sw_slots: int = protocol.DEFAULT_SW_SLOTS,
+    sw_k: int | None = None,
+    sw_slots: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Starts the service detached, on a Unix socket (reachable from every namespace): with the
     soft data plane it serves jobs on its software aggregator at AGG_IP, with bmv2 it programs the
     switch. Returns once the socket exists; the caller (or the namespace's removal) stops it."""
     argv = _serve_argv(workdir)
+    sw_k, sw_slots = sw_layout(bed.mtu, sw_k, sw_slots)
     if bed.data_plane == "soft":
         argv += ["--software", "--software-listen", f"{AGG_IP}:{protocol.UDP_PORT}"]
         argv += ["--sw-k", str(sw_k), "--sw-slots", str(sw_slots)]
@@ -84,8 +92,8 @@ def _spawn(ns: str, argv: list[str], log_path: Path, ready: Path, what: str) -> 
 def start_two_level_service(
     racks: Racks,
     workdir: Path,
-    sw_k: int = protocol.DEFAULT_SW_K,
-    sw_slots: int = protocol.DEFAULT_SW_SLOTS,
+    sw_k: int | None = None,
+    sw_slots: int | None = None,
 ) -> dict[str, int]:
     """A software aggregator with its control service in the spine and in every leaf namespace,
     and the job service (``serve --two-level``) in the spine namespace installing jobs on them
@@ -94,6 +102,7 @@ def start_two_level_service(
     from switchagg_lab.testbed.racks import SPINE_IP
 
     workdir.mkdir(parents=True, exist_ok=True)
+    sw_k, sw_slots = sw_layout(racks.mtu, sw_k, sw_slots)
     node_secret = _secret(workdir / "nodes.secret")
     nodes = [
         ("spine", racks.spine_ns, SPINE_IP),

@@ -149,7 +149,11 @@ def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.
     assert state.plane is not None
     n = state.world_size
     cpu_float = tensor.device.type == "cpu" and tensor.dtype == torch.float32
-    how = f"AVG: / {n} on each rank, then SUM in the network" if cpu_float else f"AVG: SUM in the network, then / {n}"
+    how = (
+        f"AVG: / {n} on each rank, then SUM in the network"
+        if cpu_float
+        else f"AVG: SUM in the network, then / {n}"
+    )
     state.calls.record("allreduce", NETWORK, tensor, how=how)
     _, description = state.identity.next("AVG", [tensor])  # the hook averages, as torch's default hook
     devices: list[int | str | torch.device] | None = [tensor.device] if tensor.device.type == "cuda" else None

@@ -366,7 +366,7 @@ USER_TERMS = {
     "staged as 2 chunks against 2 float32 calls of one chunk, float16 against float32, AVG against SUM, a "
     "coalesced list against one tensor, the DDP hook on bfloat16 against float32; 1 and 3 lanes, loopback",
     sums=0,
-    outcome="failed cleanly: every rank raises SwitchaggMismatch naming each rank's call (op, dtype, lengths)",
+    outcome="failed cleanly: every rank raises SwitchaggMismatch naming each rank's op, dtype, lengths",
     recovery="none needed: the call's tag differs on the wire, so the first round is poisoned",
     state="the group's sessions broken (a new process group recovers)",
 )

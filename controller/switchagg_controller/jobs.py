@@ -485,23 +485,27 @@ class JobManager:
                 errors.append(str(e))
                 unavailable = unavailable or e.unavailable
                 continue
-            for m in pending.members:
-                m.token = secrets.token_urlsafe(32)
-            by_address = {(w.ip, w.udp_port): w.rank for w in workers}
-            ranked = [(by_address[m.ip, m.udp_port], m) for m in pending.members]
-            record = JobRecord(
-                job,
-                plane_name,
-                tokens={r: token_hash(m.token) for r, m in ranked},
-                clients={r: m.client for r, m in ranked},
-            )
-            self.store.save(record)
-            now = self.clock()
-            self._active[job.job_id] = _Active(record, {w.rank: now for w in workers})
-            pending.job, pending.data_plane = job, plane_name
+            self._activate(pending, job, plane_name)
             return
         code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
         pending.error = JobError(code, f"job {pending.name!r} cannot be placed: " + "; ".join(errors))
+
+    def _activate(self, pending: _Pending, job: Job, plane_name: str) -> None:
+        """An installed job: each member's token drawn (only its hash kept), saved, and active."""
+        for m in pending.members:
+            m.token = secrets.token_urlsafe(32)
+        by_address = {(w.ip, w.udp_port): w.rank for w in job.workers}
+        ranked = [(by_address[m.ip, m.udp_port], m) for m in pending.members]
+        record = JobRecord(
+            job,
+            plane_name,
+            tokens={r: token_hash(m.token) for r, m in ranked},
+            clients={r: m.client for r, m in ranked},
+        )
+        self.store.save(record)
+        now = self.clock()
+        self._active[job.job_id] = _Active(record, {w.rank: now for w in job.workers})
+        pending.job, pending.data_plane = job, plane_name
 
     def _free_job_id(self) -> int:
         used = set(self._active)

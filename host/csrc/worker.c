@@ -194,6 +194,7 @@ typedef struct {
     size_t lost;          /* slots whose timer expired, not resent yet */
     size_t lost_budget;   /* of them, how many may be resent now: 2 per result (TCP's slow start) */
     int frto;             /* results since the timeout that resent none of them (F-RTO): 2 say it was a loss */
+    uint64_t last_expiry; /* ns: the latest timeout that took packets for lost */
 } run_t;
 
 
@@ -740,7 +741,7 @@ static int run_call(run_t *r, int abort) {
         }
         if (now >= next_scan) { /* retransmit what timed out, with exponential backoff */
             nq = 0;
-            size_t lost_before = r->lost; /* an earlier timeout's, not found spurious: a loss */
+            size_t lost_before = r->lost, expired = 0; /* lost_before: an earlier timeout's, not found spurious */
             uint64_t soonest = now + w->rto_max_ns;
             for (size_t i = 0; i < r->active; i++) {
                 slot_t *s = &r->slots[i];
@@ -752,11 +753,19 @@ static int run_call(run_t *r, int abort) {
                     due = s->deadline = now + s->rto;
                     if (!s->lost) r->lost++;
                     s->lost = 1;
+                    expired++;
                 }
                 if (due < soonest) soonest = due;
             }
-            r->lost_budget = r->lost ? 1 : 0; /* slow start anew: the oldest at once, the rest as results return */
-            r->frto = lost_before ? 2 : 0;
+            /* Slow start anew: the oldest at once, the rest as results return. But if nothing came
+             * back since the last timeout, all of them: a slot completes only when every rank's
+             * packet is in, and ranks that each resent only their own oldest could wait on each
+             * other for ever. */
+            if (expired) {
+                r->lost_budget = r->last_result < r->last_expiry ? r->lost : 1;
+                r->frto = lost_before ? 2 : 0;
+                r->last_expiry = now;
+            }
             nq = resend_lost(r, now, queue, 0);
             if (nq && send_slots(r, queue, nq) < 0) {
                 rc = SA_CALL_OSERROR;

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import switchagg
-from switchagg_lab.testing.controller import SECRET, Controller
+from switchagg_lab.testing.controller import ADMIN_SECRET, SECRET, Controller
 from switchagg_lab.testing.kit import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_version_flag(name: str) -> None:
     assert r.stderr == ""
 
 
-# -- switchagg-ctl: $SWITCHAGG_JOB_SERVICE, $SWITCHAGG_SECRET, $SWITCHAGG_SECRET_FILE -------------
+# -- switchagg-ctl: $SWITCHAGG_JOB_SERVICE, $SWITCHAGG_ADMIN_SECRET, $SWITCHAGG_ADMIN_SECRET_FILE ---
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +77,17 @@ def _ctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_ctl_takes_service_and_secret_from_the_workers_variables(unix_controller: Controller) -> None:
-    service, secret_file = unix_controller.address, str(unix_controller.secret_file)
+def test_ctl_takes_service_and_admin_secret_from_the_variables(unix_controller: Controller) -> None:
+    service, secret_file = unix_controller.address, str(unix_controller.admin_secret_file)
     assert service.startswith("unix:")
     for env in (
-        {"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_SECRET_FILE": secret_file},
-        {"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_SECRET": SECRET},
-        # the workers' order: SWITCHAGG_SECRET before SWITCHAGG_SECRET_FILE
+        {"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_ADMIN_SECRET_FILE": secret_file},
+        {"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_ADMIN_SECRET": ADMIN_SECRET},
+        # the join secret's order: SWITCHAGG_ADMIN_SECRET before SWITCHAGG_ADMIN_SECRET_FILE
         {
             "SWITCHAGG_JOB_SERVICE": service,
-            "SWITCHAGG_SECRET": SECRET,
-            "SWITCHAGG_SECRET_FILE": "/nonexistent",
+            "SWITCHAGG_ADMIN_SECRET": ADMIN_SECRET,
+            "SWITCHAGG_ADMIN_SECRET_FILE": "/nonexistent",
         },
     ):
         r = _ctl("jobs", "--json", env=env)
@@ -97,22 +97,25 @@ def test_ctl_takes_service_and_secret_from_the_workers_variables(unix_controller
 
 
 def test_ctl_flags_win_over_the_variables(unix_controller: Controller) -> None:
-    service, secret_file = unix_controller.address, str(unix_controller.secret_file)
-    wrong = {"SWITCHAGG_JOB_SERVICE": "127.0.0.1:1", "SWITCHAGG_SECRET": "wrong"}
-    r = _ctl("jobs", "--service", service, "--secret-file", secret_file, env=wrong)
+    service, secret_file = unix_controller.address, str(unix_controller.admin_secret_file)
+    wrong = {"SWITCHAGG_JOB_SERVICE": "127.0.0.1:1", "SWITCHAGG_ADMIN_SECRET": "wrong"}
+    r = _ctl("jobs", "--service", service, "--admin-secret-file", secret_file, env=wrong)
     assert r.returncode == 0 and r.stdout.strip() == "no jobs", r.stderr
-    r = _ctl("jobs", "--secret", "wrong", env={"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_SECRET": SECRET})
+    env = {"SWITCHAGG_JOB_SERVICE": service, "SWITCHAGG_ADMIN_SECRET": ADMIN_SECRET}
+    r = _ctl("jobs", "--admin-secret", "wrong", env=env)
     assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr, r.stderr
 
 
 def test_ctl_says_which_secret_is_missing(tmp_path: Path) -> None:
-    r = _ctl("jobs", env={"SWITCHAGG_JOB_SERVICE": "127.0.0.1:1"})
+    # The workers' variables name the join secret, which lists nothing: the admin secret is asked for.
+    r = _ctl("jobs", env={"SWITCHAGG_JOB_SERVICE": "127.0.0.1:1", "SWITCHAGG_SECRET": SECRET})
     assert r.returncode == 1
-    assert "--secret-file or --secret, or $SWITCHAGG_SECRET_FILE or $SWITCHAGG_SECRET" in r.stderr
+    assert "jobs needs the admin secret: --admin-secret-file or --admin-secret, or " in r.stderr
+    assert "$SWITCHAGG_ADMIN_SECRET_FILE or $SWITCHAGG_ADMIN_SECRET" in r.stderr
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    r = _ctl("jobs", env={"SWITCHAGG_SECRET_FILE": str(empty)})
-    assert r.returncode == 1 and f"SWITCHAGG_SECRET_FILE={empty} is empty" in r.stderr, r.stderr
+    r = _ctl("jobs", env={"SWITCHAGG_ADMIN_SECRET_FILE": str(empty)})
+    assert r.returncode == 1 and f"SWITCHAGG_ADMIN_SECRET_FILE={empty} is empty" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -150,7 +153,7 @@ def test_ctl_read_commands_into_head_exit_0_quietly(unix_controller: Controller)
     env = {
         **os.environ,
         "SWITCHAGG_JOB_SERVICE": unix_controller.address,
-        "SWITCHAGG_SECRET_FILE": str(unix_controller.secret_file),
+        "SWITCHAGG_ADMIN_SECRET_FILE": str(unix_controller.admin_secret_file),
     }
     ctl = f"{sys.executable} -m switchagg_controller.cli"
     for command, lines in (
@@ -283,7 +286,22 @@ def test_one_flag_name_per_idea_old_names_hidden(capsys: pytest.CaptureFixture[s
     assert (args.interval, args.count) == (0.5, 4)
     assert "--iterations is now --count" in capsys.readouterr().err
     # the software aggregator: switchagg-ctl serve --software, switchagg-testbed up --data-plane software
-    assert "--software " in _subparser_help(ctl, "serve")
+    serve = _subparser_help(ctl, "serve")
+    assert "--software " in serve
+    # serve takes both secrets and the quotas; an operator's command, the admin secret only
+    for flag in (
+        "--secret-file",
+        "--admin-secret-file",
+        "--max-jobs-per-client N",
+        "--max-slots-per-client N",
+    ):
+        assert flag in serve, flag
+    assert "--max-pending-joins N" in serve
+    for command in ("jobs", "counters", "top", "teardown"):
+        text = _subparser_help(ctl, command)
+        assert "--admin-secret-file" in text and "--secret-file" not in text.replace(
+            "--admin-secret-file", ""
+        )
     up = _subparser_help(testbed_parser(), "up")
     assert "{software,bmv2}" in up and "soft," not in up and "MBIT" not in up
 

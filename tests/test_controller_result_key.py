@@ -82,6 +82,7 @@ def test_a_store_from_before_keys_opens_and_its_jobs_stay_unkeyed(tmp_path: Path
     s = Store(path)
     (record,) = s.load()
     assert record.job.name == "legacy" and record.job.key == 0 and record.job.generation == 41
+    assert record.tokens == {0: ""} and record.clients == {0: ""}  # told no member token: none checked
     assert s.next_generation() == 42
     s.save(JobRecord(_job(4, 0xABCDEF01), "software"))
     assert {r.job.job_id: r.job.key for r in s.load()} == {3: 0, 4: 0xABCDEF01}
@@ -119,7 +120,8 @@ async def test_join_reinstall_and_reload_keep_one_key_per_job(tmp_path: Path) ->
                 await plane.install(bumped)
                 assert bumped.generation != a[0].generation and bumped.key == key
                 assert agg.jobs()[job_id].key == key
-                assert manager.heartbeat(job_id, 0) == bumped.generation
+                rank0 = next(r for r in a if r.rank == 0)
+                assert manager.heartbeat(job_id, 0, rank0.member_token) == bumped.generation
 
                 # Another job gets a key of its own.
                 (b,) = await asyncio.gather(aio_join(stub, SECRET, "b", 1, "127.0.0.1", 43010))

@@ -17,6 +17,7 @@ import pytest
 
 from switchagg import jobclient, protocol
 from switchagg_lab.testing.controller import (
+    ADMIN_SECRET,
     SECRET,
     Controller,
     aio_join,
@@ -62,7 +63,7 @@ def test_bad_secret_is_unauthenticated(controller: Controller) -> None:
     with pytest.raises(jobclient.JobServiceError, match="wrong secret") as e:
         jobclient.join(controller.address, "not-the-secret", "j", 1, "127.0.0.1", 40000, timeout=5)
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
-    r = controller.ctl("jobs", "--service", controller.address, "--secret", "nope", check=False)
+    r = controller.ctl("jobs", "--service", controller.address, "--admin-secret", "nope", check=False)
     assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr
 
 
@@ -335,7 +336,7 @@ async def test_sixteen_concurrent_joins_on_one_loop_are_all_answered_without_ove
         big = [t for t, (name, _) in zip(waiting, members, strict=True) if name == "big"]
         deadline = time.monotonic() + 60
         while True:  # the service answers while 15 joins wait (bounded)
-            listing = await stub.ListJobs(jobs_pb2.ListJobsRequest(secret=SECRET), timeout=10)
+            listing = await stub.ListJobs(jobs_pb2.ListJobsRequest(admin_secret=ADMIN_SECRET), timeout=10)
             pending = [len(j.workers) for j in listing.jobs if j.name == "big" and j.state == "pending"]
             if pending == [7]:
                 break

@@ -31,6 +31,19 @@ def test_jobs_round_trip_across_reopen(tmp_path: Path) -> None:
     s.close()
 
 
+def test_member_token_hashes_and_clients_survive_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "ctl.db"
+    s = Store(path)
+    tokens, clients = {0: "ab" * 32, 1: "cd" * 32}, {0: "10.0.0.1", 1: "unix"}
+    s.save(JobRecord(_job(1, "a", 0), "software", tokens=tokens, clients=clients))
+    s.mark_left(1, 1)
+    s.close()
+    s = Store(path)
+    (record,) = s.load()
+    assert (record.tokens, record.clients, record.left) == (tokens, clients, {1})
+    s.close()
+
+
 def test_save_replaces_a_job(tmp_path: Path) -> None:
     s = Store(tmp_path / "ctl.db")
     s.save(JobRecord(_job(1, "a", 0), "p4"))

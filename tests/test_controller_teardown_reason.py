@@ -7,8 +7,10 @@ controller reaped, hears that reason too. A real `switchagg-ctl serve` and real 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +18,9 @@ import pytest
 
 pytest.importorskip("grpc", reason="the controller needs its extra (pip install .[controller])")
 
-from switchagg import Session, SwitchaggError, jobclient  # noqa: E402
+from switchagg import Session, SwitchaggTeardown, jobclient  # noqa: E402
 from switchagg_lab.testing.controller import SECRET, Controller  # noqa: E402
-from switchagg_lab.testing.kit import free_port  # noqa: E402
+from switchagg_lab.testing.kit import free_port, wait_until  # noqa: E402
 
 SESSION_TIMEOUT_S = 120.0  # the generic "no result" error could only come after this
 
@@ -34,29 +36,49 @@ def _join(c: Controller, name: str, rank: int, n: int = 2) -> Session:
     )
 
 
-def test_a_teardown_ends_a_waiting_call_with_its_reason(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _two_ranks(
+    tmp_path: Path, name: str
+) -> Iterator[tuple[Controller, Session, concurrent.futures.Executor]]:
+    """A controller and rank 0's session of a 2-rank job whose rank 1 joined and never calls."""
     c = _controller(tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            s0, s1 = pool.map(lambda r: _join(c, "doomed", r), range(2))
+            s0, s1 = pool.map(lambda r: _join(c, name, r), range(2))
             try:
-                x = np.ones(50_000, dtype=np.int32)
-                call = pool.submit(s0.allreduce, x)  # rank 1 never calls: rank 0 waits for it
-                time.sleep(0.5)
-                assert not call.done()
-                c.ctl("teardown", "doomed", *c.client_args())
-                with pytest.raises(SwitchaggError) as e:
-                    call.result(timeout=SESSION_TIMEOUT_S / 2)  # the timeout would say "no result"
-                message = str(e.value)
-                assert "tore it down" in message and "switchagg-ctl teardown" in message, message
-                assert "doomed" in message
-                with pytest.raises(SwitchaggError, match="tore it down"):  # and the session stays ended
-                    s0.allreduce(np.ones(10, dtype=np.int32))
+                yield c, s0, pool
             finally:
                 s0.close()
                 s1.close()
     finally:
         c.stop()
+
+
+def test_a_teardown_ends_a_waiting_call_with_its_reason(tmp_path: Path) -> None:
+    with _two_ranks(tmp_path, "doomed") as (c, s0, pool):
+        x = np.ones(50_000, dtype=np.int32)
+        call = pool.submit(s0.allreduce, x)  # rank 1 never calls: rank 0 waits for it
+        time.sleep(0.5)
+        assert not call.done()
+        c.ctl("teardown", "doomed", *c.client_args())
+        with pytest.raises(SwitchaggTeardown) as e:  # its own class, not a timeout
+            call.result(timeout=SESSION_TIMEOUT_S / 2)  # the timeout would say "no result"
+        message = str(e.value)
+        assert "tore it down" in message and "switchagg-ctl teardown" in message, message
+        assert "doomed" in message
+        with pytest.raises(SwitchaggTeardown, match="tore it down"):  # and the session stays ended
+            s0.allreduce(np.ones(10, dtype=np.int32))
+
+
+def test_a_teardown_of_an_idle_job_raises_the_same_class_at_the_next_call(tmp_path: Path) -> None:
+    with _two_ranks(tmp_path, "idle") as (c, s0, _):
+        c.ctl("teardown", "idle", *c.client_args())
+        # The membership hears it within a heartbeat interval (0.2 s); the next call says why.
+        membership = s0._membership
+        assert membership is not None
+        wait_until(lambda: membership.heartbeat.error is not None, SESSION_TIMEOUT_S, "the teardown heard")
+        with pytest.raises(SwitchaggTeardown, match="tore it down"):
+            s0.allreduce(np.ones(10, dtype=np.int32))
 
 
 def test_a_late_heartbeat_hears_why_the_job_ended(tmp_path: Path) -> None:

@@ -141,6 +141,7 @@ def test_the_testbed_command_up_run_status_down(cli_env: dict[str, str]) -> None
     ctl_env = {
         "SWITCHAGG_JOB_SERVICE": f"unix:{state_dir / 'jobs.sock'}",
         "SWITCHAGG_SECRET_FILE": str(state_dir / "secret"),
+        "SWITCHAGG_ADMIN_SECRET_FILE": str(state_dir / "admin.secret"),
     }
     assert report["ctl_env"] == ctl_env
     text = cli("status", "--name", NAME, env=env).stdout

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,9 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    secret: str
+    secret: str  # the join secret, every worker's
+    # ListJobs, Counters and Teardown; "": the one in admin_secret_path(state), made if missing
+    admin_secret: str = ""
     state: str = "switchagg-ctl.db"
     listen: str = "127.0.0.1:50051"
     topology: str | None = None  # P4 switches (and software spines), YAML
@@ -56,6 +60,10 @@ class ControllerConfig:
     reap_timeout: float = 30.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Quotas (jobs.Limits; 0: none): per client, i.e. per address the Joins come from.
+    max_jobs_per_client: int = 64
+    max_slots_per_client: int = 8192  # a quarter of the software pool
+    max_pending_joins: int = 4096
 
     def check(self) -> None:
         if not self.software and not self.topology and not self.two_level and not self.reducers:
@@ -77,6 +85,28 @@ def p4_artifacts(p4_json: Path | None, p4info: Path | None) -> tuple[Path, Path]
                 f"{path} does not exist (build the P4 program first, or pass --p4-json/--p4info)"
             )
     return Path(json_path), Path(info)
+
+
+def admin_secret_path(state: str) -> Path:
+    """Where serve keeps its admin secret when given none: beside its state file."""
+    return Path(f"{state}.admin-secret")
+
+
+def load_or_make_secret(path: Path) -> str:
+    """The secret in ``path``; a new random one written there (mode 0600) if the file is missing."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        secret = path.read_text().strip()
+        if not secret:
+            raise ConfigError(f"the admin secret file {path} is empty") from None
+        if path.stat().st_mode & 0o077:
+            _warn(f"{path} can be read by other users: chmod 600 it")
+        return secret
+    secret = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
 
 
 def _warn(message: str) -> None:
@@ -105,6 +135,7 @@ class Controller:
         self.max_counter_index = 0
         self.store: Store | None = None
         self.server: grpc.aio.Server | None = None
+        self.admin_secret_file: Path | None = None  # where the admin secret is, if serve chose it
         self.reaper: asyncio.Task[None] | None = None
 
     # -- the data planes ----------------------------------------------------------------------
@@ -286,14 +317,25 @@ class Controller:
             agg += " reducers " + ",".join(f"{a.address[0]}:{a.address[1]}" for a in self.reducer_nodes)
         if self.rails:
             agg += " rails " + ",".join(self.rails)
-        return f"switchagg-ctl: job service on {listen};{agg} {reloaded} job(s) reloaded{metrics}"
+        admin = f"; admin secret in {self.admin_secret_file}" if self.admin_secret_file else ""
+        return f"switchagg-ctl: job service on {listen};{agg} {reloaded} job(s) reloaded{metrics}{admin}"
+
+    def _admin_secret(self) -> str:
+        admin = self.config.admin_secret
+        if not admin:
+            self.admin_secret_file = admin_secret_path(self.config.state)
+            admin = load_or_make_secret(self.admin_secret_file)
+        if admin == self.config.secret:
+            raise ConfigError("the admin secret must differ from the join secret, which every worker holds")
+        return admin
 
     async def start(self) -> str:
         """Builds the data planes, reloads the jobs, starts serving; returns the banner line."""
-        from switchagg_controller.jobs import JobManager
+        from switchagg_controller.jobs import JobManager, Limits
         from switchagg_controller.service import make_server, reap_forever
         from switchagg_controller.store import Store
 
+        admin_secret = self._admin_secret()
         self.store = Store(self.config.state)
         if self.config.topology:
             self._build_p4(self.config.topology)
@@ -309,11 +351,18 @@ class Controller:
             join_timeout=self.config.join_timeout,
             reap_timeout=self.config.reap_timeout,
             max_counter_index=self.max_counter_index,
+            limits=Limits(
+                jobs_per_client=self.config.max_jobs_per_client,
+                slots_per_client=self.config.max_slots_per_client,
+                pending_joins=self.config.max_pending_joins,
+            ),
         )
         reloaded = await manager.reload()
         await self._wait_for_switches()
         metrics, on_join = self._start_metrics(manager)
-        self.server, port = make_server(manager, self.config.secret, self.config.listen, on_join=on_join)
+        self.server, port = make_server(
+            manager, self.config.secret, self.config.listen, on_join=on_join, admin_secret=admin_secret
+        )
         await self.server.start()
         self.reaper = asyncio.create_task(reap_forever(manager), name="reaper")
         for node_supervisor in self.node_supervisors:

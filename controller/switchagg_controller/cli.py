@@ -4,13 +4,15 @@ switchagg-ctl serve --software --secret-file s.txt --state ctl.db --listen 127.0
 switchagg-ctl serve ... --metrics-port 9400 [--metrics-host 0.0.0.0]
 switchagg-ctl serve --topology topo.yaml --secret-file s.txt --state ctl.db [--fallback]
 switchagg-ctl push --topology topo.yaml
-switchagg-ctl jobs --service 127.0.0.1:50051 --secret-file s.txt
-switchagg-ctl counters --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--count N]
-switchagg-ctl top --service 127.0.0.1:50051 --secret-file s.txt [--interval 2] [--count N | --once] [--json]
-switchagg-ctl teardown JOB --service 127.0.0.1:50051 --secret-file s.txt
+switchagg-ctl jobs --service 127.0.0.1:50051 --admin-secret-file ctl.db.admin-secret
+switchagg-ctl counters --service 127.0.0.1:50051 --admin-secret-file A [--interval 2] [--count N]
+switchagg-ctl top --service 127.0.0.1:50051 --admin-secret-file A [--interval 2] [--count N | --once] [--json]
+switchagg-ctl teardown JOB --service 127.0.0.1:50051 --admin-secret-file A
 
-The client commands take --service, --secret and --secret-file from $SWITCHAGG_JOB_SERVICE,
-$SWITCHAGG_SECRET and $SWITCHAGG_SECRET_FILE, the variables the workers read, when not given.
+The join secret (--secret-file) lets workers join; the client commands, an operator's, need the
+admin secret, which serve writes to STATE.admin-secret (mode 0600) unless given --admin-secret-file.
+They take --service, --admin-secret and --admin-secret-file from $SWITCHAGG_JOB_SERVICE,
+$SWITCHAGG_ADMIN_SECRET and $SWITCHAGG_ADMIN_SECRET_FILE when not given.
 """
 
 from __future__ import annotations
@@ -55,40 +57,72 @@ def _read_secret_file(path: str, what: str) -> str:
     return secret
 
 
-def _secret(args: argparse.Namespace) -> str:
-    """The flags, else the variables the workers read (host/switchagg/torch/dataplane.py), in the
-    workers' order: $SWITCHAGG_SECRET, then $SWITCHAGG_SECRET_FILE."""
-    if args.secret_file:
-        return _read_secret_file(args.secret_file, args.secret_file)
-    if args.secret:
-        return str(args.secret)
-    if os.environ.get("SWITCHAGG_SECRET"):
-        return os.environ["SWITCHAGG_SECRET"]
-    path = os.environ.get("SWITCHAGG_SECRET_FILE")
+def _find_secret(path: str | None, value: str | None, env: str) -> str | None:
+    """The flags, else the variables (the workers' order for the join secret,
+    host/switchagg/torch/dataplane.py): $ENV, then $ENV_FILE; None if none is set."""
     if path:
-        return _read_secret_file(path, f"SWITCHAGG_SECRET_FILE={path}")
-    raise CliError(
-        "a secret is needed: --secret-file or --secret, or $SWITCHAGG_SECRET_FILE or $SWITCHAGG_SECRET"
-    )
+        return _read_secret_file(path, path)
+    if value:
+        return value
+    if os.environ.get(env):
+        return os.environ[env]
+    file_env = f"{env}_FILE"
+    if os.environ.get(file_env):
+        return _read_secret_file(os.environ[file_env], f"{file_env}={os.environ[file_env]}")
+    return None
 
 
-def _add_secret(p: argparse.ArgumentParser) -> None:
+def _secret(args: argparse.Namespace) -> str:
+    """The join secret."""
+    secret = _find_secret(args.secret_file, args.secret, "SWITCHAGG_SECRET")
+    if secret is None:
+        raise CliError(
+            "a secret is needed: --secret-file or --secret, or $SWITCHAGG_SECRET_FILE or $SWITCHAGG_SECRET"
+        )
+    return secret
+
+
+def _admin_secret(args: argparse.Namespace) -> str:
+    """The admin secret of a client command."""
+    secret = _find_secret(args.admin_secret_file, args.admin_secret, "SWITCHAGG_ADMIN_SECRET")
+    if secret is None or args.secret or args.secret_file:
+        join = "--secret-file/--secret is the join secret, which no longer lists, counts or tears down jobs: "
+        raise CliError(
+            (join if args.secret or args.secret_file else "")
+            + f"{args.command} needs the admin secret: --admin-secret-file or --admin-secret, or "
+            "$SWITCHAGG_ADMIN_SECRET_FILE or $SWITCHAGG_ADMIN_SECRET (serve keeps it in "
+            "STATE.admin-secret unless given one)"
+        )
+    return secret
+
+
+def _add_secret(p: argparse.ArgumentParser, admin: bool = False) -> None:
+    """--secret and --secret-file (admin: --admin-secret and --admin-secret-file)."""
+    prefix, env, what = ("admin-", "ADMIN_", "the admin secret") if admin else ("", "", "the join secret")
     g = p.add_mutually_exclusive_group()
     g.add_argument(
-        "--secret",
-        help="the shared secret (visible in ps: prefer --secret-file; default $SWITCHAGG_SECRET)",
+        f"--{prefix}secret",
+        metavar="SECRET",
+        help=f"{what} (visible in ps: prefer --{prefix}secret-file; default $SWITCHAGG_{env}SECRET)",
     )
-    g.add_argument("--secret-file", help="file holding the shared secret (default $SWITCHAGG_SECRET_FILE)")
+    g.add_argument(
+        f"--{prefix}secret-file",
+        metavar="FILE",
+        help=f"file holding {what} (default $SWITCHAGG_{env}SECRET_FILE)",
+    )
 
 
 def _add_client(p: argparse.ArgumentParser) -> None:
+    """An operator's command: the job service's address and the admin secret."""
     p.add_argument(
         "--service",
         default=os.environ.get("SWITCHAGG_JOB_SERVICE") or DEFAULT_SERVICE,
         help="job service address, host:port or unix:/path "
         f"(default $SWITCHAGG_JOB_SERVICE, else {DEFAULT_SERVICE})",
     )
-    _add_secret(p)
+    _add_secret(p, admin=True)
+    for flag in ("--secret", "--secret-file"):  # the join secret: refused, with what to use instead
+        p.add_argument(flag, help=argparse.SUPPRESS)
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -139,6 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ControllerConfig(
         secret=_secret(args),
+        admin_secret=_find_secret(args.admin_secret_file, args.admin_secret, "SWITCHAGG_ADMIN_SECRET") or "",
         **{name: getattr(args, name) for name in SERVE_FLAGS},
     )
     return asyncio.run(_serve_on_loop(config))
@@ -148,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
 SERVE_FLAGS = (
     "state", "listen", "topology", "two_level", "reducers", "software", "fallback", "software_listen",
     "software_advertise", "p4_json", "p4info", "p4_slots", "sw_k", "sw_slots", "switch_wait",
-    "join_timeout", "reap_timeout", "metrics_port", "metrics_host",
+    "join_timeout", "reap_timeout", "metrics_port", "metrics_host", "max_jobs_per_client",
+    "max_slots_per_client", "max_pending_joins",
 )  # fmt: skip
 
 
@@ -300,7 +336,7 @@ def _print_json(value: object) -> None:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    reply = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=_secret(args)))
+    reply = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(admin_secret=_admin_secret(args)))
     assert isinstance(reply, jobs_pb2.ListJobsReply)
     if args.json:
         _print_json(jobs_json(reply))
@@ -310,7 +346,7 @@ def _jobs(args: argparse.Namespace) -> int:
 
 
 def _teardown(args: argparse.Namespace) -> int:
-    reply = _rpc(args, "Teardown", jobs_pb2.TeardownRequest(secret=_secret(args), job=args.job))
+    reply = _rpc(args, "Teardown", jobs_pb2.TeardownRequest(admin_secret=_admin_secret(args), job=args.job))
     assert isinstance(reply, jobs_pb2.TeardownReply)
     print(f"job {args.job} torn down" + (f" (id {reply.job_id})" if reply.job_id else " while joining"))
     return 0
@@ -332,7 +368,7 @@ def _counters(args: argparse.Namespace) -> int:
             else:
                 print(format_switch_counters(switches), flush=True)
         else:
-            reply = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=_secret(args)))
+            reply = _rpc(args, "Counters", jobs_pb2.CountersRequest(admin_secret=_admin_secret(args)))
             assert isinstance(reply, jobs_pb2.CountersReply)
             if args.json:
                 _print_json(counters_json(reply))
@@ -395,11 +431,11 @@ def _top(args: argparse.Namespace) -> int:
     if args.count < 0:
         raise CliError("--count needs a number of refreshes (0: until interrupted)")
     iterations = 1 if args.once else args.count
-    secret = _secret(args)
+    secret = _admin_secret(args)
 
     def read() -> top.Snapshot:
-        jobs = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(secret=secret))
-        counters = _rpc(args, "Counters", jobs_pb2.CountersRequest(secret=secret))
+        jobs = _rpc(args, "ListJobs", jobs_pb2.ListJobsRequest(admin_secret=secret))
+        counters = _rpc(args, "Counters", jobs_pb2.CountersRequest(admin_secret=secret))
         assert isinstance(jobs, jobs_pb2.ListJobsReply) and isinstance(counters, jobs_pb2.CountersReply)
         return top.Snapshot(time.monotonic(), jobs_json(jobs), counters_json(counters))
 
@@ -456,6 +492,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
         help="job service address, host:port or unix:/path (default %(default)s)",
     )
     _add_secret(p)
+    _add_secret(p, admin=True)  # absent: STATE.admin-secret, made (0600) if missing
     p.add_argument("--state", default="switchagg-ctl.db", help="SQLite state file (default %(default)s)")
     p.add_argument("--topology", help="topology YAML of the P4 switch (or switches)")
     _add_p4(p)
@@ -485,7 +522,29 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-host", default="127.0.0.1", help="metrics address (0.0.0.0: any; default %(default)s)"
     )
+    from switchagg_controller.app import ControllerConfig as Defaults
+
+    quota = "per client (the address its joins come from; a Unix socket's callers are one); 0: no limit"
+    p.add_argument(
+        "--max-jobs-per-client", type=_count, default=Defaults.max_jobs_per_client, metavar="N",
+        help=f"jobs, joining or running, {quota} (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-slots-per-client", type=_count, default=Defaults.max_slots_per_client, metavar="N",
+        help=f"slots of running jobs {quota} (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-pending-joins", type=_count, default=Defaults.max_pending_joins, metavar="N",
+        help="joins waiting for their jobs, all clients together; 0: no limit (default %(default)s)",
+    )  # fmt: skip
     p.set_defaults(func=_serve)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count (0 or more), not {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

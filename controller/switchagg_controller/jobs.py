@@ -6,6 +6,11 @@ software aggregator as fallback), a fresh generation, is installed on its data p
 the store, and every waiting Join returns. *Active*: workers heartbeat; the job is removed when
 all its workers left, on teardown, or when a worker has been silent for the reap timeout.
 
+Who may act on a job: each worker gets a random member token at completion (the store keeps
+only its hash); heartbeat and leave for (job, rank) must present that rank's token. What one
+client (the address its calls come from, ``client`` of ``join``) may hold is bounded by
+``Limits``: jobs, slots, and the joins waiting overall (docs/CONTROLLER.md, Who may do what).
+
 asyncio, on the controller's one loop (the job service's, and the switches'): what runs between
 two awaits needs no lock. The one lock, ``_changing``, keeps data plane changes (install, remove)
 one at a time, because they await the switch: the job ids, counter indices and desired states
@@ -16,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import ipaddress
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,6 +48,22 @@ MAX_JOB_ID = 0xFFFF
 ENDED_KEPT = 1024  # reasons of ended jobs kept for late heartbeats
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Quotas; 0 = none. A client is the address a Join comes from (service.client_of): the join
+    secret is shared by every worker, so only the network can tell clients apart."""
+
+    jobs_per_client: int = 0  # jobs (pending or active) with a worker of the client
+    slots_per_client: int = 0  # slots of those active jobs (a striped job: each shard's)
+    pending_joins: int = 0  # Join calls waiting at once, all clients together
+
+
+def token_hash(token: str) -> str:
+    """What the store keeps of a member token. A plain SHA-256 suffices: the token is 256 random
+    bits, nothing to guess, so a slow password hash would add nothing."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class JobError(Exception):
     """A request the manager refuses; ``code`` is the gRPC status the service answers with."""
 
@@ -55,6 +79,8 @@ class _Member:
     requested_rank: int | None
     shard_ports: tuple[int, ...] = ()  # a striped job: the worker's port per shard
     shard_ips: tuple[str, ...] = ()  # and its IP per shard, where it has one per rail (): ip
+    client: str = ""  # where its Join came from (Limits)
+    token: str = ""  # its member token, once the job is placed (for the Join reply only)
 
 
 @dataclass
@@ -99,6 +125,7 @@ class JobManager:
         reap_timeout: float = 30.0,
         max_counter_index: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        limits: Limits = Limits(),
     ) -> None:
         """``data_planes`` in order of preference; a job that does not fit on one goes to the next."""
         if not data_planes:
@@ -119,12 +146,14 @@ class JobManager:
         self.join_timeout, self.reap_timeout = join_timeout, reap_timeout
         self.max_counter_index = max_counter_index
         self.clock = clock
+        self.limits = limits
         self._changing = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}
         self._active: dict[int, _Active] = {}
         # Why recent jobs ended, by job id: a worker's heartbeat for one is answered with the reason
-        # (torn down, reaped), so its error says what happened instead of a generic timeout.
-        self._ended: collections.OrderedDict[int, str] = collections.OrderedDict()
+        # (torn down, reaped), so its error says what happened instead of a generic timeout; with
+        # its members' token hashes, so only a member hears it.
+        self._ended: collections.OrderedDict[int, tuple[str, dict[int, str]]] = collections.OrderedDict()
 
     # -- startup -----------------------------------------------------------------------------
 
@@ -165,16 +194,19 @@ class JobManager:
         shards: int = 0,
         shard_ports: tuple[int, ...] = (),
         shard_ips: tuple[str, ...] = (),
+        client: str = "",
     ) -> Assignment:
         """Waits until the job is complete and installed. A caller cancelled while the others are
         still missing (the worker gave up) is dropped from the job. ``shards`` > 0: stripe the job
         across that many reducers, ``shard_ports`` this worker's port for each, ``shard_ips`` its
-        address for each where it has one per rail (() : ``ip`` for all)."""
+        address for each where it has one per rail (() : ``ip`` for all). ``client``: where the
+        call came from, for the quotas (``Limits``)."""
         self._check_join(name, world_size, ip, udp_port, rank, timeout)
         self._check_shards(udp_port, shards, shard_ports)
         self._check_shard_ips(ip, shards, shard_ips)
         wait = self.join_timeout if not timeout else min(timeout, self.join_timeout)
         self._check_not_running(name, ip, udp_port)
+        self._check_quotas(self._pending.get(name), world_size, client)
         pending = self._pending.setdefault(name, _Pending(name, world_size, shards))
         self._check_member(pending, world_size, ip, udp_port, rank)
         if shards != pending.shards:
@@ -182,7 +214,7 @@ class JobManager:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"job {name!r} is striped across {pending.shards} reducers, not {shards}",
             )
-        member = _Member(ip, udp_port, rank, tuple(shard_ports), tuple(shard_ips))
+        member = _Member(ip, udp_port, rank, tuple(shard_ports), tuple(shard_ips), client)
         pending.members.append(member)
         if len(pending.members) == pending.world_size:
             del self._pending[name]
@@ -207,7 +239,50 @@ class JobManager:
         if pending.error is not None:
             raise pending.error
         assert pending.job is not None
-        return self._assignment(pending.data_plane, pending.job, ip, udp_port)
+        return self._assignment(pending.data_plane, pending.job, ip, udp_port, member.token)
+
+    def _check_quotas(self, pending: _Pending | None, world_size: int, client: str) -> None:
+        """Refuses a join that would take ``client`` past its job quota, or the service past its
+        waiting joins (a waiting Join holds memory and a coroutine until its timeout). The join
+        that completes a job waits for nobody: it frees waiting joins, so it is never refused so."""
+        limits, exhausted = self.limits, grpc.StatusCode.RESOURCE_EXHAUSTED
+        completes = (len(pending.members) if pending is not None else 0) + 1 >= world_size
+        if limits.pending_joins and not completes:
+            waiting = sum(len(p.members) for p in self._pending.values())
+            if waiting >= limits.pending_joins:
+                raise JobError(
+                    exhausted,
+                    f"{waiting} joins are waiting for their jobs, the most this controller allows "
+                    "(--max-pending-joins); try again later",
+                )
+        if limits.jobs_per_client and (pending is None or all(m.client != client for m in pending.members)):
+            held = len(self._of(client)) + sum(
+                any(m.client == client for m in p.members) for p in self._pending.values()
+            )
+            if held >= limits.jobs_per_client:
+                raise JobError(
+                    exhausted,
+                    f"client {client} has workers in {held} jobs, the most this controller allows per "
+                    f"client (--max-jobs-per-client {limits.jobs_per_client})",
+                )
+
+    def _of(self, client: str) -> list[_Active]:
+        """The active jobs with a worker of ``client``."""
+        return [a for a in self._active.values() if client in a.record.clients.values()]
+
+    def _check_slot_quota(self, pending: _Pending, slots: int) -> None:
+        """Raises AllocationError (this data plane cannot take the job) when a client of the job
+        would hold more than its slots with the job's ``slots`` added."""
+        quota = self.limits.slots_per_client
+        if not quota:
+            return
+        for client in sorted({m.client for m in pending.members}):
+            held = sum(_slots_held(a.record.job) for a in self._of(client))
+            if held + slots > quota:
+                raise AllocationError(
+                    f"client {client} would hold {held + slots} slots, more than the {quota} this "
+                    "controller allows per client (--max-slots-per-client)"
+                )
 
     def _check_not_running(self, name: str, ip: str, udp_port: int) -> None:
         """A Join for a job that already runs is refused, saying whether this worker is in it."""
@@ -226,8 +301,9 @@ class JobManager:
                 f"job {name!r} is already running with all {job.n} workers",
             )
 
-    def _assignment(self, data_plane: str, done: Job, ip: str, udp_port: int) -> Assignment:
-        """What the worker at ip:udp_port is told of its installed job (and of each shard)."""
+    def _assignment(self, data_plane: str, done: Job, ip: str, udp_port: int, token: str) -> Assignment:
+        """What the worker at ip:udp_port is told of its installed job (and of each shard), with
+        its member ``token``."""
         my = next(w for w in done.workers if (w.ip, w.udp_port) == (ip, udp_port))
         agg_ip, agg_port = self.planes[data_plane].aggregator_of(done, my.rank)
         striped = self.striped
@@ -240,7 +316,7 @@ class JobManager:
         )
         return Assignment(
             data_plane, agg_ip, agg_port, done.job_id, my.rank, done.n, done.slot_base, done.slot_count,
-            done.k, done.generation, done.key, mine,
+            done.k, done.generation, done.key, mine, token,
         )  # fmt: skip
 
     @property
@@ -362,6 +438,7 @@ class JobManager:
                 shards: tuple[JobShard, ...] = ()
                 if isinstance(plane, StripedDataPlane):
                     nodes = plane.choose(pending.shards, self.allocator.free_slots)
+                    self._check_slot_quota(pending, plane.shard_slots(pending.shards) * pending.shards)
                     placement = self.allocator.place_on_all(
                         plane_name,
                         tuple(dict.fromkeys(plane.node_pool(n) for n in nodes)),
@@ -381,6 +458,7 @@ class JobManager:
                         nodes, placement.slot_base, placement.slot_count, key, ports, ips
                     )
                 else:
+                    self._check_slot_quota(pending, plane.default_slots)
                     placement = self.allocator.place_on_all(
                         plane_name, plane.slot_pools(workers), plane.default_slots
                     )
@@ -407,14 +485,27 @@ class JobManager:
                 errors.append(str(e))
                 unavailable = unavailable or e.unavailable
                 continue
-            record = JobRecord(job, plane_name)
-            self.store.save(record)
-            now = self.clock()
-            self._active[job.job_id] = _Active(record, {w.rank: now for w in workers})
-            pending.job, pending.data_plane = job, plane_name
+            self._activate(pending, job, plane_name)
             return
         code = grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.RESOURCE_EXHAUSTED
         pending.error = JobError(code, f"job {pending.name!r} cannot be placed: " + "; ".join(errors))
+
+    def _activate(self, pending: _Pending, job: Job, plane_name: str) -> None:
+        """An installed job: each member's token drawn (only its hash kept), saved, and active."""
+        for m in pending.members:
+            m.token = secrets.token_urlsafe(32)
+        by_address = {(w.ip, w.udp_port): w.rank for w in job.workers}
+        ranked = [(by_address[m.ip, m.udp_port], m) for m in pending.members]
+        record = JobRecord(
+            job,
+            plane_name,
+            tokens={r: token_hash(m.token) for r, m in ranked},
+            clients={r: m.client for r, m in ranked},
+        )
+        self.store.save(record)
+        now = self.clock()
+        self._active[job.job_id] = _Active(record, {w.rank: now for w in job.workers})
+        pending.job, pending.data_plane = job, plane_name
 
     def _free_job_id(self) -> int:
         used = set(self._active)
@@ -441,28 +532,36 @@ class JobManager:
 
     # -- running jobs ------------------------------------------------------------------------
 
-    def _get(self, job_id: int, rank: int | None = None) -> _Active:
+    def _member(self, job_id: int, rank: int, token: str) -> _Active:
+        """The active job of which ``token`` is rank ``rank``'s member token; else NOT_FOUND (with
+        why it ended, to its members only) or PERMISSION_DENIED."""
         active = self._active.get(job_id)
         if active is None:
-            ended = self._ended.get(job_id)
-            raise JobError(
-                grpc.StatusCode.NOT_FOUND, ended or f"no job {job_id} (torn down, reaped or never created)"
-            )
-        if rank is not None and rank not in active.last_seen:
+            reason, tokens = self._ended.get(job_id, ("", {}))
+            if reason and _is_token(token, tokens.get(rank)):
+                raise JobError(grpc.StatusCode.NOT_FOUND, reason)
+            if reason:
+                raise _not_member(job_id, rank)
+            raise JobError(grpc.StatusCode.NOT_FOUND, f"no job {job_id} (torn down, reaped or never created)")
+        if rank not in active.last_seen:
             raise JobError(grpc.StatusCode.NOT_FOUND, f"job {job_id} has no rank {rank}")
+        if not _is_token(token, active.record.tokens.get(rank)):
+            raise _not_member(job_id, rank)
         return active
 
-    def heartbeat(self, job_id: int, rank: int) -> int:
-        active = self._get(job_id, rank)
+    def heartbeat(self, job_id: int, rank: int, token: str) -> int:
+        """Rank ``rank`` of job ``job_id`` is alive; ``token`` is its member token."""
+        active = self._member(job_id, rank, token)
         if rank in active.record.left:
             raise JobError(grpc.StatusCode.FAILED_PRECONDITION, f"rank {rank} already left job {job_id}")
         active.last_seen[rank] = self.clock()
         return active.record.job.generation
 
-    async def leave(self, job_id: int, rank: int) -> bool:
-        """Marks a rank as gone; the job is removed once all ranks left (the others may still
-        need a resent result, so the first to leave cannot free the slots)."""
-        active = self._get(job_id, rank)
+    async def leave(self, job_id: int, rank: int, token: str) -> bool:
+        """Marks a rank as gone (``token``: its member token); the job is removed once all ranks
+        left (the others may still need a resent result, so the first to leave cannot free the
+        slots)."""
+        active = self._member(job_id, rank, token)
         active.record.left.add(rank)
         if len(active.record.left) < active.record.job.n:
             self.store.mark_left(job_id, rank)
@@ -489,7 +588,7 @@ class JobManager:
         """Under ``_changing``. ``reason`` is what a heartbeat for the job is told from now on."""
         job = active.record.job
         del self._active[job.job_id]
-        self._ended[job.job_id] = f"job {job.job_id} ({job.name!r}) ended: {reason}"
+        self._ended[job.job_id] = (f"job {job.job_id} ({job.name!r}) ended: {reason}", active.record.tokens)
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         self.store.delete(job.job_id)
@@ -600,6 +699,28 @@ class JobManager:
             for p in self._pending.values()
         ]
         return views
+
+
+def _slots_held(job: Job) -> int:
+    """The slots a job takes: its range, on each shard of a striped job."""
+    return job.slot_count * max(1, len(job.shards))
+
+
+def _is_token(token: str, want: str | None) -> bool:
+    """Whether ``token`` is the member token whose hash is ``want``. A member stored without a
+    hash ('') joined under a controller before member tokens: its job runs on with the join
+    secret alone, as its workers (told no token) expect."""
+    if want is None:
+        return False
+    return want == "" or hmac.compare_digest(token_hash(token), want)
+
+
+def _not_member(job_id: int, rank: int) -> JobError:
+    return JobError(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"not rank {rank}'s member token of job {job_id}: a worker may heartbeat and leave only its "
+        "own place in its own job, with the token its Join returned",
+    )
 
 
 def _check_result_address(ip: str, what: str = "") -> None:

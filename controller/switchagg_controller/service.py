@@ -1,4 +1,9 @@
-"""The gRPC face of the job manager (proto/switchagg/jobs.proto), with the shared-secret check.
+"""The gRPC face of the job manager (proto/switchagg/jobs.proto), with who may call what.
+
+The join secret admits a worker: Join and Describe. Heartbeat and Leave also need the member
+token of the caller's own place in its job (the job manager checks it). ListJobs, Counters and
+Teardown, an operator's calls, need the admin secret; the join secret is refused there
+(PERMISSION_DENIED), since every worker holds it.
 
 grpc.aio on the controller's one event loop: a waiting Join is a suspended coroutine, not a held
 thread, and every handler runs between the job manager's awaits, so none of them needs a lock.
@@ -8,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -26,17 +33,57 @@ ANY_RANK = -1  # JoinRequest.rank for "any rank" (jobs.proto)
 JoinObserver = Callable[[float, str], None]  # (seconds from call to answer, outcome: "ok" or a status)
 
 
+def client_of(peer: str) -> str:
+    """Who a call counts against for the quotas: the address it came from, without the port
+    (gRPC's peer "ipv4:10.0.0.5:41234" -> "10.0.0.5"; an IPv4-mapped IPv6 peer as IPv4). Every
+    caller on a Unix socket is one client, "unix": the socket's file permissions decide who that is."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return kind
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return str(mapped or addr)
+
+
 class JobService(jobs_pb2_grpc.JobServiceServicer):
-    def __init__(self, manager: JobManager, secret: str, on_join: JoinObserver | None = None) -> None:
+    def __init__(
+        self,
+        manager: JobManager,
+        secret: str,
+        on_join: JoinObserver | None = None,
+        admin_secret: str | None = None,
+    ) -> None:
+        """``admin_secret`` None: no call may list, count or tear down (an embedder's service)."""
         if not secret:
             raise ValueError("the job service needs a non-empty secret")
+        if admin_secret is not None and (not admin_secret or admin_secret == secret):
+            raise ValueError("the admin secret must be non-empty and differ from the join secret")
         self.manager = manager
         self._secret = secret.encode()
+        self._admin = admin_secret.encode() if admin_secret is not None else None
         self._on_join = on_join
 
     async def _check(self, secret: str, context: grpc.aio.ServicerContext) -> None:
         if not hmac.compare_digest(secret.encode(), self._secret):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong secret for this job service")
+
+    async def _check_admin(self, secret: str, call: str, context: grpc.aio.ServicerContext) -> None:
+        given = secret.encode()
+        if self._admin is not None and hmac.compare_digest(given, self._admin):
+            return
+        if hmac.compare_digest(given, self._secret):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{call} needs the admin secret (switchagg-ctl --admin-secret-file); the join secret "
+                "only joins jobs",
+            )
+        if self._admin is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"this job service takes no {call} calls")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong admin secret for this job service")
 
     @staticmethod
     async def _fail(e: JobError, context: grpc.aio.ServicerContext) -> NoReturn:
@@ -59,6 +106,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 request.shards,
                 tuple(request.shard_ports),
                 tuple(request.shard_ips),
+                client_of(context.peer()),
             )
         except JobError as e:
             self._observe_join(start, e.code.name.lower())
@@ -81,6 +129,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
             k=a.k,
             generation=a.generation,
             result_key=a.key,
+            member_token=a.token,
             shards=[
                 jobs_pb2.ShardAssignment(
                     index=s.index,
@@ -105,7 +154,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     ) -> jobs_pb2.LeaveReply:
         await self._check(request.secret, context)
         try:
-            removed = await self.manager.leave(request.job_id, request.rank)
+            removed = await self.manager.leave(request.job_id, request.rank, request.member_token)
         except JobError as e:
             await self._fail(e, context)
         return jobs_pb2.LeaveReply(job_removed=removed)
@@ -115,7 +164,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     ) -> jobs_pb2.HeartbeatReply:
         await self._check(request.secret, context)
         try:
-            generation = self.manager.heartbeat(request.job_id, request.rank)
+            generation = self.manager.heartbeat(request.job_id, request.rank, request.member_token)
         except JobError as e:
             await self._fail(e, context)
         return jobs_pb2.HeartbeatReply(generation=generation)
@@ -123,7 +172,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobs(
         self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.ListJobsReply:
-        await self._check(request.secret, context)
+        await self._check_admin(request.admin_secret, "ListJobs", context)
         reply = jobs_pb2.ListJobsReply()
         for v in self.manager.list():
             info = reply.jobs.add(
@@ -158,7 +207,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     async def Teardown(
         self, request: jobs_pb2.TeardownRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.TeardownReply:
-        await self._check(request.secret, context)
+        await self._check_admin(request.admin_secret, "Teardown", context)
         try:
             job_id = await self.manager.teardown(request.job)
         except JobError as e:
@@ -171,7 +220,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
     ) -> jobs_pb2.CountersReply:
         """Every data plane's counters; a part that cannot be read (a switch that is away) is
         named in ``unavailable`` with the reason, and the others answer."""
-        await self._check(request.secret, context)
+        await self._check_admin(request.admin_secret, "Counters", context)
         reply = jobs_pb2.CountersReply()
         planes = list(self.manager.planes.values())
         for reading in await asyncio.gather(*(p.counters() for p in planes)):
@@ -201,12 +250,16 @@ async def reap_forever(manager: JobManager) -> None:
 
 
 def make_server(
-    manager: JobManager, secret: str, address: str, on_join: JoinObserver | None = None
+    manager: JobManager,
+    secret: str,
+    address: str,
+    on_join: JoinObserver | None = None,
+    admin_secret: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server bound to ``address`` ("127.0.0.1:0" picks a port), to be started on the running
     loop (``await server.start()``); returns it and the port."""
     server = grpc.aio.server()
-    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(manager, secret, on_join), server)
+    jobs_pb2_grpc.add_JobServiceServicer_to_server(JobService(manager, secret, on_join, admin_secret), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")

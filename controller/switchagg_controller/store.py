@@ -1,13 +1,14 @@
 """SQLite persistence of the controller's own state, so a restarted controller picks up its jobs.
 
 What is stored: every installed job (id, name, data plane, slot range, K, generation, counter
-index, result key, a striped job's shards), its workers' addresses and whether each has left, and
-the generation counter.
+index, result key, a striped job's shards), its workers' addresses, whether each has left, the
+hash of each one's member token and the client its Join came from, and the generation counter.
 Pending joins are not stored: a worker still waiting in Join sees its call fail and joins again.
 
 The schema only grows: a column added later is added to an older file when it is opened, with
 a default that means what the older controller did (``result_key`` 0: the job is unkeyed, as its
-workers, told no key, expect).
+workers, told no key, expect; ``token_hash`` '': the worker was told no member token, and its
+heartbeats and leave are taken with the join secret alone).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ MAX_GENERATION = 0xFFFF
 _ADDED_COLUMNS = (
     ("jobs", "result_key", "INTEGER NOT NULL DEFAULT 0"),
     ("jobs", "shards", "TEXT NOT NULL DEFAULT ''"),  # a striped job's shards as JSON; '': none
+    ("workers", "token_hash", "TEXT NOT NULL DEFAULT ''"),  # jobs.token_hash of its member token
+    ("workers", "client", "TEXT NOT NULL DEFAULT ''"),  # where its Join came from (quotas)
 )
+_WORKER_COLUMNS = "job_id, rank, ip, udp_port, mac, switch_port, left_job, token_hash, client"
 _JOB_COLUMNS = (
     "job_id, name, data_plane, n, slot_base, slot_count, k, generation, counter_index, result_key, shards"
 )
@@ -67,6 +71,8 @@ class JobRecord:
     job: Job
     data_plane: str  # allocation.P4 or allocation.SOFTWARE
     left: set[int] = field(default_factory=set)  # ranks that called Leave
+    tokens: dict[int, str] = field(default_factory=dict)  # rank -> its member token's hash
+    clients: dict[int, str] = field(default_factory=dict)  # rank -> where its Join came from
 
 
 class Store:
@@ -124,9 +130,19 @@ class Store:
                 ),
             )
             self._db.executemany(
-                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO workers ({_WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (j.job_id, w.rank, w.ip, w.udp_port, w.mac, w.switch_port, int(w.rank in record.left))
+                    (
+                        j.job_id,
+                        w.rank,
+                        w.ip,
+                        w.udp_port,
+                        w.mac,
+                        w.switch_port,
+                        int(w.rank in record.left),
+                        record.tokens.get(w.rank, ""),
+                        record.clients.get(w.rank, ""),
+                    )  # fmt: skip
                     for w in j.workers
                 ],
             )
@@ -141,10 +157,12 @@ class Store:
 
     def load(self) -> list[JobRecord]:
         jobs = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY job_id").fetchall()
-        workers = self._db.execute("SELECT * FROM workers ORDER BY job_id, rank").fetchall()
-        by_job: dict[int, list[tuple[WorkerAddr, bool]]] = {}
-        for job_id, rank, ip, port, mac, switch_port, left in workers:
-            by_job.setdefault(job_id, []).append((WorkerAddr(rank, ip, port, mac, switch_port), bool(left)))
+        workers = self._db.execute(f"SELECT {_WORKER_COLUMNS} FROM workers ORDER BY job_id, rank").fetchall()
+        by_job: dict[int, list[tuple[WorkerAddr, bool, str, str]]] = {}
+        for job_id, rank, ip, port, mac, switch_port, left, token, client in workers:
+            by_job.setdefault(job_id, []).append(
+                (WorkerAddr(rank, ip, port, mac, switch_port), bool(left), token, client)
+            )
         records = []
         for job_id, name, data_plane, n, base, count, k, gen, counter_index, key, shards in jobs:
             ws = by_job.get(job_id, [])
@@ -156,10 +174,18 @@ class Store:
                 count,
                 k,
                 gen,
-                tuple(w for w, _ in ws),
+                tuple(w for w, *_ in ws),
                 counter_index,
                 key,
                 _shards_from(shards),
             )
-            records.append(JobRecord(job, data_plane, {w.rank for w, left in ws if left}))
+            records.append(
+                JobRecord(
+                    job,
+                    data_plane,
+                    {w.rank for w, left, *_ in ws if left},
+                    {w.rank: token for w, _, token, _ in ws},
+                    {w.rank: client for w, *_, client in ws},
+                )
+            )
         return records

@@ -150,7 +150,9 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
 typedef struct {
     struct sa_worker *w;
     char kind; /* 'f' or 'i' */
-    uint32_t call;   /* this call's sequence number */
+    uint32_t number; /* this call's sequence number */
+    uint32_t call;   /* its identity on the wire: sa_call_identity(number, tag) */
+    int tagged;
     struct sa_header poisoned;                 /* the poisoned RESULT that ended the call */
     uint32_t poison_info[SA_MISMATCH_INFO_LEN]; /* its payload: who differed */
     void *data;
@@ -193,7 +195,7 @@ static void build_packet(run_t *r, size_t i) {
         h->flags = SA_FLAG_ABORT | kind_flag;
         h->exp = SA_EXP_NONE;
         memset(payload, 0, 4 * (size_t)w->k);
-        uint32_t info[SA_MISMATCH_INFO_LEN] = {w->rank, r->call, (uint32_t)r->len, h->flags};
+        uint32_t info[SA_MISMATCH_INFO_LEN] = {w->rank, r->number, (uint32_t)r->len, h->flags};
         for (size_t e = 0; e < SA_MISMATCH_INFO_LEN && e < (size_t)w->k; e++) payload[e] = htonl(info[e]);
         return;
     }
@@ -559,27 +561,44 @@ static int run_call(run_t *r, int abort) {
 
 static const char *kind_name(uint32_t flags) { return (flags & SA_FLAG_FLOAT) ? "float32" : "int32"; }
 
-/* Why a poisoned RESULT ended call r: what the aggregator saw differ, in words, into buf. */
-static void describe_poison(const run_t *r, char *buf, size_t size) {
+/* A call identity as a person reads it: a sequence number, or (tagged calls) a digest in hex. */
+static void name_call(char *buf, size_t size, int tagged, uint32_t call) {
+    snprintf(buf, size, tagged ? "call identity 0x%08x" : "call %u", call);
+}
+
+/* Why a poisoned RESULT ended call r: what the aggregator saw differ, in words, into buf; its cause. */
+static int describe_poison(const run_t *r, char *buf, size_t size) {
     const struct sa_worker *w = r->w;
     const struct sa_header *h = &r->poisoned;
     const uint32_t *info = r->poison_info; /* rank, call, total, flags of the contribution that differed */
     uint32_t rcall = ntohl(h->call), rtotal = ntohl(h->total);
-    char mine[160];
-    snprintf(mine, sizeof mine, "this rank (%u) is at call %u with %u %s elements", w->rank, r->call,
-             (unsigned)r->len, r->kind == 'f' ? "float32" : "int32");
+    int cause = (h->flags & SA_FLAG_ABORT) ? SA_CAUSE_ABORTED : SA_CAUSE_MISMATCH;
+    char mine[200], theirs[40], first[40], own[40];
+    name_call(own, sizeof own, r->tagged, r->call);
+    snprintf(mine, sizeof mine, "this rank (%u) is at call %u (%s) with %u %s elements", w->rank, r->number,
+             own, (unsigned)r->len, r->kind == 'f' ? "float32" : "int32");
     if (w->k < SA_MISMATCH_INFO_LEN)
         snprintf(buf, size, "call %u of job %u failed on every rank: the contributions to one slot round "
                  "differed in call identity or a rank aborted (K=%d is too small to say who); %s",
-                 r->call, w->job, w->k, mine);
+                 r->number, w->job, w->k, mine);
     else if (info[3] & SA_FLAG_ABORT)
         snprintf(buf, size, "call %u of job %u failed on every rank: rank %u aborted its call %u (a local error "
-                 "on that rank, see its log); %s", r->call, w->job, info[0], info[1], mine);
-    else
-        snprintf(buf, size, "call %u of job %u failed on every rank: rank %u sent call %u with %u %s elements "
-                 "(offset %u%s) to a slot round that began with call %u with %u %s elements; %s", r->call, w->job,
-                 info[0], info[1], info[2], kind_name(info[3]), ntohl(h->offset),
-                 (info[3] & SA_FLAG_PRIME) ? ", exponent round" : "", rcall, rtotal, kind_name(h->flags), mine);
+                 "on that rank, see its log); %s", r->number, w->job, info[0], info[1], mine);
+    else {
+        name_call(theirs, sizeof theirs, r->tagged, info[1]);
+        name_call(first, sizeof first, r->tagged, rcall);
+        /* Same length and kind but another identity: the callers' own calls differ (tagged), or a rank
+         * is a call ahead or behind (untagged). */
+        const char *why = info[2] != rtotal || ((info[3] ^ h->flags) & SA_IDENTITY_FLAGS) ? ""
+                          : r->tagged ? " (the same length and kind on the wire: the callers' own calls differ "
+                                        "in shape, dtype, op or position)"
+                                      : " (the same length and kind: a rank made a call more or fewer)";
+        snprintf(buf, size, "call %u of job %u failed on every rank: rank %u sent %s with %u %s elements "
+                 "(offset %u%s) to a slot round that began with %s with %u %s elements%s; %s", r->number, w->job,
+                 info[0], theirs, info[2], kind_name(info[3]), ntohl(h->offset),
+                 (info[3] & SA_FLAG_PRIME) ? ", exponent round" : "", first, rtotal, kind_name(h->flags), why, mine);
+    }
+    return cause;
 }
 
 int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen) {
@@ -592,18 +611,42 @@ int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen) {
     return 0;
 }
 
-void sa_worker_cancel(struct sa_worker *w, const char *why) {
+int sa_worker_cause(const struct sa_worker *w) {
+    if (w->broken) return w->cause;
+    if (__atomic_load_n(&w->cancelled, __ATOMIC_ACQUIRE)) return w->cancel_cause;
+    return SA_CAUSE_ERROR;
+}
+
+uint32_t sa_call_identity(uint32_t seq, uint32_t tag) {
+    if (tag == 0) return seq;
+    /* murmur3's finaliser on the tag, then on it mixed with the sequence number: a 32-bit digest in
+     * which any change of either changes the identity (two differing calls collide with p = 2^-32) */
+    uint32_t h = tag;
+    for (int round = 0; round < 2; round++) {
+        h ^= h >> 16;
+        h *= 0x85ebca6bu;
+        h ^= h >> 13;
+        h *= 0xc2b2ae35u;
+        h ^= h >> 16;
+        if (round == 0) h ^= seq * 0x9e3779b1u;
+    }
+    return h;
+}
+
+void sa_worker_cancel(struct sa_worker *w, const char *why, int cause) {
     if (__atomic_load_n(&w->cancelled, __ATOMIC_ACQUIRE)) return;
     snprintf(w->cancel_why, sizeof w->cancel_why, "%s", why);
+    w->cancel_cause = cause;
     __atomic_store_n(&w->cancelled, 1, __ATOMIC_RELEASE);
     uint64_t one = 1;
     if (w->cancel_fd >= 0) (void)!write(w->cancel_fd, &one, sizeof one);
 }
 
-int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort) {
-    run_t r = {.w = w, .kind = kind, .data = data, .len = len};
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag) {
+    run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0};
     w->busy = 1;
-    r.call = ++w->call;
+    r.number = ++w->call;
+    r.call = w->wire_call = sa_call_identity(r.number, tag);
     int rc = run_call(&r, abort);
     w->busy = 0;
     int err = errno;
@@ -616,30 +659,36 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
         break;
     case SA_CALL_POISONED:
         w->broken = 1;
-        describe_poison(&r, w->why_broken, sizeof w->why_broken);
+        w->cause = describe_poison(&r, w->why_broken, sizeof w->why_broken);
         break;
     case SA_CALL_TIMEOUT:
+        /* No result at all: the peers may be alive and making other calls (a rank made a call fewer),
+         * stalled past the timeout, or gone; a liveness watcher, where there is one, says which first. */
         w->broken = 1;
+        w->cause = SA_CAUSE_TIMEOUT;
         snprintf(w->why_broken, sizeof w->why_broken,
                  "no result from the aggregator for %.1f s (job %u, rank %u, call %u, %zu of %zu slots done): "
-                 "a peer worker or the aggregator is gone", (double)w->timeout_ns / 1e9, w->job, w->rank, r.call,
-                 r.done, r.active);
+                 "a peer has not made this call (it made fewer calls, is stalled, or is gone) or the aggregator "
+                 "is unreachable", (double)w->timeout_ns / 1e9, w->job, w->rank, r.number, r.done, r.active);
         break;
     case SA_CALL_NOMEM:
         break;
     case SA_CALL_CANCELLED:
         w->broken = 1;
+        w->cause = w->cancel_cause;
         snprintf(w->why_broken, sizeof w->why_broken, "%s (job %u, rank %u, call %u, %zu of %zu slots done)",
-                 w->cancel_why, w->job, w->rank, r.call, r.done, r.active);
+                 w->cancel_why, w->job, w->rank, r.number, r.done, r.active);
         break;
     default:
         w->broken = 1;
-        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r.call, strerror(err));
+        w->cause = SA_CAUSE_ERROR;
+        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r.number, strerror(err));
         errno = err;
     }
     if (abort && !w->broken) { /* nothing came back poisoned (no peer), but peers may still come */
         w->broken = 1;
-        snprintf(w->why_broken, sizeof w->why_broken, "this rank aborted call %u", r.call);
+        w->cause = SA_CAUSE_ABORTED;
+        snprintf(w->why_broken, sizeof w->why_broken, "this rank aborted call %u", r.number);
     }
     return rc;
 }

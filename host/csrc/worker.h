@@ -17,15 +17,18 @@ struct sa_worker {
     struct sockaddr_in local;
     int configured;
     int broken; /* a failed call leaves peers' slot state unknown: refuse further use */
-    char why_broken[512];
+    int cause;  /* why it broke: an sa_cause (the class of error every later call raises) */
+    char why_broken[1024];
     int busy;
     int cancel_fd;          /* an eventfd: sa_worker_cancel wakes a call in progress through it */
     int cancelled;          /* set (atomically) by sa_worker_cancel; read by the call's thread */
     char cancel_why[400];   /* why, written before `cancelled` is set */
+    int cancel_cause;       /* its sa_cause, written before `cancelled` is set */
     /* job */
     uint16_t job, rank;
     uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
     uint32_t call; /* the call sequence number of the latest call (the next one is call + 1) */
+    uint32_t wire_call; /* the latest call's identity on the wire (sa_call_identity) */
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
@@ -50,6 +53,18 @@ struct sa_worker_config {
 
 enum sa_call_result { SA_CALL_OK = 0, SA_CALL_POISONED, SA_CALL_TIMEOUT, SA_CALL_OSERROR, SA_CALL_NOMEM, SA_CALL_CANCELLED };
 
+/* Why a worker broke, one cause per error class the binding raises (SwitchaggError and its subclasses):
+ * a peer whose process is gone, calls that differed between ranks, a rank that gave up its call, the
+ * control plane that ended the job, or no progress within the timeout. */
+enum sa_cause { SA_CAUSE_ERROR = 0, SA_CAUSE_TIMEOUT, SA_CAUSE_PEER_GONE, SA_CAUSE_MISMATCH, SA_CAUSE_ABORTED,
+                SA_CAUSE_TEARDOWN, SA_CAUSES };
+
+/* A call's identity on the wire (the header's `call`): the sequence number alone for an untagged call,
+ * else a 32-bit mix of the sequence number and the caller's tag (a digest of the caller's own call, e.g.
+ * the torch tensor's dtype, element count and op, and which chunk of it this is). Two ranks' calls
+ * match only if both agree (docs/PROTOCOL.md, Call identity). */
+uint32_t sa_call_identity(uint32_t seq, uint32_t tag);
+
 /* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
 
 /* Binds the socket (so its address can be registered before the job is configured). */
@@ -58,12 +73,15 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
 /* -1 with the reason when no call can be made now (not configured, broken, busy). */
 int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
 /* One call: allreduce len elements of data in place (kind 'f' float32 or 'i' int32), or (abort) give
- * up the next call so every peer fails it too. Blocks; returns an sa_call_result. After any failure
+ * up the next call so every peer fails it too; `tag` (0: none) goes into the call's identity.
+ * Blocks; returns an sa_call_result. After any failure
  * but SA_CALL_NOMEM the worker is broken, w->why_broken says why (SA_CALL_OSERROR: errno too). */
-int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort);
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag);
+/* The cause of the error a call made now would raise (valid when sa_worker_usable or a call failed). */
+int sa_worker_cause(const struct sa_worker *w);
 /* From any thread: end the call in progress (and refuse every later one) with SA_CALL_CANCELLED and
  * `why` as the reason, e.g. a watcher that found a peer gone. Only the first reason is kept. */
-void sa_worker_cancel(struct sa_worker *w, const char *why);
+void sa_worker_cancel(struct sa_worker *w, const char *why, int cause);
 /* The receive buffer the job's full window needs, bytes. */
 size_t sa_worker_rcvbuf_needed(const struct sa_worker *w);
 void sa_worker_close(struct sa_worker *w);

@@ -3,7 +3,14 @@
 from importlib import metadata as _metadata
 
 from switchagg import protocol
-from switchagg.errors import SwitchaggError, SwitchaggTimeout
+from switchagg.errors import (
+    SwitchaggAborted,
+    SwitchaggError,
+    SwitchaggMismatch,
+    SwitchaggPeerGone,
+    SwitchaggTeardown,
+    SwitchaggTimeout,
+)
 from switchagg.session import Session
 
 try:
@@ -11,4 +18,14 @@ try:
 except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["Session", "SwitchaggError", "SwitchaggTimeout", "__version__", "protocol"]
+__all__ = [
+    "Session",
+    "SwitchaggAborted",
+    "SwitchaggError",
+    "SwitchaggMismatch",
+    "SwitchaggPeerGone",
+    "SwitchaggTeardown",
+    "SwitchaggTimeout",
+    "__version__",
+    "protocol",
+]

@@ -5,7 +5,9 @@ membership = Membership("127.0.0.1:50051", secret, a).start()   # heartbeats fro
 ...  # Session(a.job_id, a.rank, ...) and allreduce
 membership.end()                                                  # stops them and leaves
 
-Session.from_job_service does all of this for the session's lifetime.
+Session.from_job_service does all of this for the session's lifetime. The join secret only joins;
+heartbeats and the leave also carry the member token the Join returned (``Assignment.token``), so
+a worker acts for its own place in its own job only (docs/CONTROLLER.md, Who may do what).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
@@ -60,6 +62,9 @@ class Assignment:
     generation: int
     key: int = 0  # the job's result key: its aggregator's RESULTs carry it (Session(key=...))
     shards: tuple[ShardAssignment, ...] = ()  # a striped job's shards (the fields above: shard 0's)
+    # This worker's credential for its place in the job: heartbeat() and leave() present it (the
+    # join secret alone cannot heartbeat or leave a job). Kept out of repr, which logs may show.
+    token: str = field(default="", repr=False)
 
 
 def _call(service: str, what: str, method: str, request: object, timeout: float) -> object:
@@ -128,6 +133,7 @@ def join(
         r.generation,
         r.result_key,
         tuple(_shard(s) for s in r.shards),
+        r.member_token,
     )
 
 
@@ -159,16 +165,22 @@ def describe(service: str, secret: str, timeout: float = 10.0) -> int:
 
 
 def leave(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> bool:
-    """Leaves the job; True when this was the last worker and the job's slots were freed."""
-    request = jobs_pb2.LeaveRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    """Leaves the job (with ``assignment.token``); True when this was the last worker and the
+    job's slots were freed."""
+    request = jobs_pb2.LeaveRequest(
+        secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
+    )
     r = _call(service, f"leave job {assignment.job_id}", "Leave", request, timeout)
     assert isinstance(r, jobs_pb2.LeaveReply)
     return r.job_removed
 
 
 def heartbeat(service: str, secret: str, assignment: Assignment, timeout: float = 10.0) -> int:
-    """Tells the service this worker is alive; returns the job's current generation."""
-    request = jobs_pb2.HeartbeatRequest(secret=secret, job_id=assignment.job_id, rank=assignment.rank)
+    """Tells the service this worker is alive (with ``assignment.token``); returns the job's
+    current generation."""
+    request = jobs_pb2.HeartbeatRequest(
+        secret=secret, job_id=assignment.job_id, rank=assignment.rank, member_token=assignment.token
+    )
     r = _call(service, f"heartbeat job {assignment.job_id}", "Heartbeat", request, timeout)
     assert isinstance(r, jobs_pb2.HeartbeatReply)
     return r.generation

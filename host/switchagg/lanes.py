@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from switchagg.errors import SwitchaggAborted, SwitchaggError
 from switchagg.session import Session
 
 # Lanes a group may have ($SWITCHAGG_LANES is checked against it).
@@ -25,6 +26,11 @@ MAX_LANES = 16
 # Slots a lane needs at least (a slot's next round waits for its previous result: one slot would
 # leave nothing in flight while a result travels back).
 MIN_LANE_SLOTS = 2
+
+
+def _cause_of(error: BaseException) -> type[SwitchaggError]:
+    """The class the other lanes' calls raise when ``error`` ended one: its own, if a switchagg error."""
+    return type(error) if isinstance(error, SwitchaggError) else SwitchaggError
 
 
 def lane_slots(window: int, lanes: int) -> int:
@@ -62,7 +68,7 @@ class Lanes:
         return self._issued
 
     def allreduce_async(
-        self, tensor: Any, ready: Callable[[], object] | None = None
+        self, tensor: Any, ready: Callable[[], object] | None = None, tag: int = 0
     ) -> concurrent.futures.Future[None]:
         """Session.allreduce_async on the next lane. A call refused for its argument (TypeError) still
         takes its lane's turn: the session aborts it on every rank, which the peers' same call meets."""
@@ -70,9 +76,9 @@ class Lanes:
             lane = self._issued % len(self.sessions)
             self._issued += 1
             try:
-                pending = self.sessions[lane].allreduce_async(tensor, ready)
+                pending = self.sessions[lane].allreduce_async(tensor, ready, tag)
             except BaseException:
-                self._fail(lane, "a call was refused")
+                self._fail(lane, "a call was refused", SwitchaggAborted)
                 raise
         if len(self.sessions) > 1:
             pending.add_done_callback(lambda done: self._check(lane, done))
@@ -86,23 +92,25 @@ class Lanes:
             return
         error = done.exception()
         if error is not None:
-            self._fail(lane, f"{type(error).__name__}: {error}")
+            self._fail(lane, f"{type(error).__name__}: {error}", _cause_of(error))
 
-    def _fail(self, lane: int, what: str) -> None:
+    def _fail(self, lane: int, what: str, cause: type[SwitchaggError]) -> None:
         """Every other lane ends its call in progress and refuses later ones (the peers do the same when
-        they see the failure), so no lane goes on alone with the group out of step."""
+        they see the failure), so no lane goes on alone with the group out of step; their calls raise the
+        same class as the failure (a mismatch on one lane is a mismatch on all)."""
         if self._failed or len(self.sessions) == 1:
             return
         self._failed = True
         reason = f"lane {lane} of {len(self.sessions)} failed: {what}"
         for other, session in enumerate(self.sessions):
             if other != lane:
-                session.cancel(reason)
+                session.cancel(reason, cause)
 
-    def cancel(self, reason: str) -> None:
-        """From any thread: end every lane's call in progress and refuse every later call."""
+    def cancel(self, reason: str, cause: type[SwitchaggError] = SwitchaggError) -> None:
+        """From any thread: end every lane's call in progress and refuse every later call (raising
+        ``cause``, see Session.cancel)."""
         for session in self.sessions:
-            session.cancel(reason)
+            session.cancel(reason, cause)
 
     def stats(self) -> dict[str, int]:
         """The lanes' packet and call counters, summed (``allreduces``: the group's calls)."""

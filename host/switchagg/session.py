@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import socket
 import threading
@@ -259,7 +260,8 @@ class Session:
         # reaped, and close() leaves the job. When the job service says the job is over (torn
         # down, reaped), the call in progress ends with its reason within a heartbeat interval.
         def job_over(error: jobclient.JobServiceError) -> None:
-            session.cancel(f"the job service ended job {a.job_id} ({job_name!r}): {error}")
+            why = f"the job service ended job {a.job_id} ({job_name!r}): {error}"
+            session.cancel(why, _core.SwitchaggTeardown)
 
         session._membership = jobclient.Membership(service, secret, a, heartbeat_interval, job_over).start()
         return session
@@ -280,65 +282,72 @@ class Session:
         address: tuple[str, int] = self._worker.address
         return address
 
-    def allreduce(self, tensor: Any) -> None:
+    def allreduce(self, tensor: Any, tag: int = 0) -> None:
         """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly).
 
         Every call is numbered; the aggregator sums only contributions of the same call (number,
         length, dtype). A call that differs from its peers', or that this rank cannot make (a bad
-        argument), fails on every rank with an error that says what differed, and the job's
-        sessions cannot be used again (docs/PROTOCOL.md, Call identity)."""
+        argument), fails on every rank with an error that says what differed (SwitchaggMismatch,
+        SwitchaggAborted), and the job's sessions cannot be used again (docs/PROTOCOL.md, Call identity).
+
+        ``tag``: a 32-bit digest of the caller's own call (0: none), mixed into the call's identity, so a
+        layer that cuts its calls into several (torch's staging) makes every piece carry its parent's
+        identity: ranks whose tags differ fail the call as a mismatch."""
         if self._closed:
             raise _core.SwitchaggError("the session is closed")
-        array = self._checked(tensor)
+        array = self._checked(tensor, tag)
         with self._lock:
-            self._reduce(array)
+            self._reduce(array, tag)
 
-    def _checked(self, tensor: Any) -> np.ndarray:
+    def _checked(self, tensor: Any, tag: int = 0) -> np.ndarray:
         """``tensor`` as an array, or the call aborted on every rank and the argument error raised."""
         try:
             return _as_array(tensor)
         except TypeError as exc:
             with self._lock:
-                self._abort(tensor)
+                self._abort(tensor, tag)
             raise TypeError(f"{exc} (this call was aborted on every rank of job {self.job})") from None
 
-    def _abort(self, tensor: Any) -> None:
+    def _abort(self, tensor: Any, tag: int = 0) -> None:
         """Give up this call so that every peer fails it too, not pair with this rank's next call."""
         numel = getattr(tensor, "numel", None)  # torch; numpy has .size
         total = numel() if callable(numel) else getattr(tensor, "size", 0)
         kind = "i" if "int" in str(getattr(tensor, "dtype", "")) else "f"
         try:
             if self._stripes is None:
-                self._worker.abort(int(total or 0), kind)
+                self._worker.abort(int(total or 0), kind, tag)
                 return
             bounds = shard_bounds(int(total or 0), self.k, len(self._workers))
             # Every shard aborts its part, so that the peers fail the call on each node.
-            self._stripes.run(lambda s, w: w.abort(max(1, bounds[s][1] - bounds[s][0]), kind))
+            self._stripes.run(lambda s, w: w.abort(max(1, bounds[s][1] - bounds[s][0]), kind, tag))
         except _core.SwitchaggError:
             pass  # broken already: the peers failed an earlier call
 
-    def _allreduce(self, flat: np.ndarray, kind: str) -> None:
+    def _allreduce(self, flat: np.ndarray, kind: str, tag: int) -> None:
         if self._stripes is None:
-            self._worker.allreduce(flat, kind)
+            self._worker.allreduce(flat, kind, tag)
             return
         bounds = shard_bounds(flat.size, self.k, len(self._workers))
-        # Each shard is a call of its own on its node (an empty one too: call numbers stay in step).
-        self._stripes.run(lambda s, w: w.allreduce(flat[bounds[s][0] : bounds[s][1]], kind))
+        # Each shard is a call of its own on its node (an empty one too: call numbers stay in step); each
+        # carries the whole call's length in its tag, so ranks whose tensors differ fail on every shard.
+        whole = _stripe_tag(tag, flat.size, kind)
+        what = f"{flat.size} {'float32' if kind == 'f' else 'int32'} elements"
+        self._stripes.run(lambda s, w: w.allreduce(flat[bounds[s][0] : bounds[s][1]], kind, whole), what)
 
-    def _reduce(self, array: np.ndarray) -> None:
+    def _reduce(self, array: np.ndarray, tag: int = 0) -> None:
         if self._metrics is None:
-            self._allreduce(array.reshape(-1), _KINDS[array.dtype])
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag)
             return
         t0 = time.perf_counter()
         try:
-            self._allreduce(array.reshape(-1), _KINDS[array.dtype])
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag)
         except _core.SwitchaggTimeout:
             self._metrics.timed_out(self)
             raise
         self._metrics.observe(self, time.perf_counter() - t0, array.nbytes)
 
     def allreduce_async(
-        self, tensor: Any, ready: Callable[[], object] | None = None
+        self, tensor: Any, ready: Callable[[], object] | None = None, tag: int = 0
     ) -> concurrent.futures.Future[None]:
         """``allreduce`` on the session's thread, after the calls queued before it. ``ready``, if given,
         runs on that thread just before the call (e.g. to wait for a device-to-host copy of ``tensor``);
@@ -351,25 +360,28 @@ class Session:
             array = _as_array(tensor)  # type errors surface now, not in the future
         except TypeError as exc:
             # The abort takes this call's place in line, after the calls queued before it.
-            self._executor.submit(self._checked, tensor)
+            self._executor.submit(self._checked, tensor, tag)
             raise TypeError(f"{exc} (this call is aborted on every rank of job {self.job})") from None
-        return self._executor.submit(self._locked_reduce, array, ready)
+        return self._executor.submit(self._locked_reduce, array, ready, tag)
 
-    def _locked_reduce(self, array: np.ndarray, ready: Callable[[], object] | None = None) -> None:
+    def _locked_reduce(
+        self, array: np.ndarray, ready: Callable[[], object] | None = None, tag: int = 0
+    ) -> None:
         with self._lock:
             if ready is not None:
                 try:
                     ready()
                 except BaseException:
-                    self._abort(array)
+                    self._abort(array, tag)
                     raise
-            self._reduce(array)
+            self._reduce(array, tag)
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: str, cause: type[_core.SwitchaggError] = _core.SwitchaggError) -> None:
         """From any thread: end the call in progress and refuse every later one; the call raises
-        SwitchaggTimeout with ``reason`` (e.g. a watcher found a peer gone)."""
+        ``cause`` (SwitchaggError or a subclass: SwitchaggPeerGone when a watcher found a peer gone,
+        SwitchaggTeardown when the job service ended the job) with ``reason``."""
         for w in self._workers:
-            w.cancel(reason)
+            w.cancel(reason, cause)
 
     def stats(self) -> dict[str, int]:
         """The worker's packet counters (summed over the shards of a striped job; ``call`` and
@@ -403,6 +415,12 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stripe_tag(tag: int, length: int, kind: str) -> int:
+    """The tag every shard of a striped call carries: the caller's, and the whole call's length and kind."""
+    digest = hashlib.blake2s(f"{tag}:{length}:{kind}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 def _shards_wanted(service: str, secret: str) -> int:

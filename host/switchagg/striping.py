@@ -55,11 +55,29 @@ class ShardFailure(Exception):
     """Carries the first failing shard and its exception out of a striped call."""
 
 
+# Which failure of a striped call says why it failed: the aggregator's verdict first (calls differed, a
+# rank gave up), then a peer or the job gone, then a timeout; a shard cancelled because another failed last.
+_ROOT_ORDER: tuple[type[BaseException], ...] = (
+    _core.SwitchaggMismatch,
+    _core.SwitchaggAborted,
+    _core.SwitchaggPeerGone,
+    _core.SwitchaggTeardown,
+    _core.SwitchaggTimeout,
+)
+
+
+def _rank(failure: tuple[int, BaseException, bool]) -> tuple[int, int]:
+    _, e, secondary = failure
+    order = next((i for i, cls in enumerate(_ROOT_ORDER) if isinstance(e, cls)), len(_ROOT_ORDER))
+    return (1 if secondary else 0, order)
+
+
 class Stripes:
     """Runs one call per shard concurrently: shard 0 on the caller's thread, the others on a pool
     of M-1 threads. The first shard to fail cancels the others' calls in progress (and so their
-    later calls: the session is out of step once any shard is), and its error is raised, of the
-    same type, prefixed with the shard it came from."""
+    later calls: the session is out of step once any shard is), with its error's class. The error
+    raised is the root cause's (the aggregator's mismatch verdict over a timeout, a shard's own
+    failure over one this rank cancelled), of the same type, naming the shard and the whole call."""
 
     def __init__(self, workers: Sequence[_core.Worker], names: Sequence[str]) -> None:
         self.workers, self.names = list(workers), list(names)
@@ -67,29 +85,35 @@ class Stripes:
             max(1, len(self.workers) - 1), thread_name_prefix="switchagg-shard"
         )
 
-    def run(self, call: Callable[[int, _core.Worker], None]) -> None:
+    def run(self, call: Callable[[int, _core.Worker], None], what: str = "") -> None:
+        """``what``: the whole call in the caller's terms (e.g. its element count), for the error."""
         lock = threading.Lock()
-        first: list[tuple[int, BaseException]] = []
+        failures: list[tuple[int, BaseException, bool]] = []  # shard, error, caused by this rank's cancel
 
         def one(s: int) -> None:
             try:
                 call(s, self.workers[s])
             except BaseException as e:
                 with lock:
-                    if first:
+                    failures.append((s, e, bool(failures)))
+                    if len(failures) > 1:
                         return
-                    first.append((s, e))
+                cause = type(e) if isinstance(e, _core.SwitchaggError) else _core.SwitchaggError
                 for other, w in enumerate(self.workers):
                     if other != s:
-                        w.cancel(f"shard {s} of this call failed ({self.names[s]})")
+                        w.cancel(f"shard {s} of this call failed ({self.names[s]})", cause)
 
         futures = [self._pool.submit(one, s) for s in range(1, len(self.workers))]
         one(0)
         concurrent.futures.wait(futures)
-        if first:
-            s, e = first[0]
+        if failures:
+            s, e, _ = min(failures, key=_rank)
             if isinstance(e, _core.SwitchaggError):
-                raise type(e)(f"shard {s} of {len(self.workers)} ({self.names[s]}): {e}") from e
+                whole = f", in a call of {what}" if what else ""
+                raise type(e)(
+                    f"shard {s} of {len(self.workers)} ({self.names[s]}){whole} (lengths below are the "
+                    f"shard's): {e}"
+                ) from e
             raise e
 
     def close(self) -> None:

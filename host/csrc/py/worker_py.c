@@ -11,6 +11,8 @@ typedef struct {
 } Worker;
 
 static PyObject *SwitchaggError, *SwitchaggTimeout;
+/* One class per sa_cause, indexed by it: SwitchaggError and its subclasses. */
+static PyObject *cause_class[SA_CAUSES];
 
 static void worker_dealloc(Worker *self) {
     sa_worker_close(&self->w);
@@ -50,19 +52,23 @@ static PyObject *worker_configure(Worker *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
-/* One call with the GIL released; a failure is raised with the engine's reason. */
-static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort) {
+static PyObject *class_of(const struct sa_worker *w) {
+    int cause = sa_worker_cause(w);
+    return cause_class[cause >= 0 && cause < SA_CAUSES ? cause : SA_CAUSE_ERROR];
+}
+
+/* One call with the GIL released; a failure is raised with the engine's reason, as its cause's class. */
+static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort, uint32_t tag) {
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = sa_worker_call(&self->w, kind, data, len, abort);
+    rc = sa_worker_call(&self->w, kind, data, len, abort, tag);
     Py_END_ALLOW_THREADS;
     if (rc == SA_CALL_OK || abort) Py_RETURN_NONE; /* an abort always ends in a broken session */
     switch (rc) {
-    case SA_CALL_POISONED:
-        return PyErr_Format(SwitchaggError, "%s", self->w.why_broken);
+    case SA_CALL_POISONED:  /* a mismatch, or a peer's abort */
     case SA_CALL_TIMEOUT:
-    case SA_CALL_CANCELLED: /* cancel(): a watcher gave up on the call (a peer is gone) */
-        return PyErr_Format(SwitchaggTimeout, "%s", self->w.why_broken);
+    case SA_CALL_CANCELLED: /* cancel(): with the canceller's cause (a peer gone, a teardown, another lane) */
+        return PyErr_Format(class_of(&self->w), "%s", self->w.why_broken);
     case SA_CALL_NOMEM:
         return PyErr_NoMemory();
     default:
@@ -71,17 +77,18 @@ static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort
 }
 
 static int check_usable(Worker *self) {
-    char err[700];
+    char err[1200];
     if (sa_worker_usable(&self->w, err, sizeof err) == 0) return 0;
-    PyErr_SetString(SwitchaggError, err);
+    PyErr_SetString(self->w.configured ? class_of(&self->w) : SwitchaggError, err);
     return -1;
 }
 
-/* allreduce(buffer, kind): sum the buffer over all workers, in place. kind 'f' or 'i'. */
+/* allreduce(buffer, kind, tag=0): sum the buffer over all workers, in place. kind 'f' or 'i'. */
 static PyObject *worker_allreduce(Worker *self, PyObject *args) {
     PyObject *obj;
     int kind;
-    if (!PyArg_ParseTuple(args, "OC", &obj, &kind)) return NULL;
+    unsigned int tag = 0;
+    if (!PyArg_ParseTuple(args, "OC|I", &obj, &kind, &tag)) return NULL;
     if (check_usable(self) < 0) return NULL;
     if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
     Py_buffer view;
@@ -94,7 +101,7 @@ static PyObject *worker_allreduce(Worker *self, PyObject *args) {
         PyBuffer_Release(&view);
         return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
     }
-    PyObject *res = call(self, (char)kind, view.buf, (size_t)view.len / 4, 0);
+    PyObject *res = call(self, (char)kind, view.buf, (size_t)view.len / 4, 0, tag);
     PyBuffer_Release(&view);
     return res;
 }
@@ -105,10 +112,11 @@ static PyObject *worker_allreduce(Worker *self, PyObject *args) {
 static PyObject *worker_abort(Worker *self, PyObject *args) {
     unsigned long long total;
     int kind;
-    if (!PyArg_ParseTuple(args, "KC", &total, &kind)) return NULL;
+    unsigned int tag = 0;
+    if (!PyArg_ParseTuple(args, "KC|I", &total, &kind, &tag)) return NULL;
     if (check_usable(self) < 0) return NULL;
     if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
-    return call(self, (char)kind, NULL, total > UINT32_MAX ? UINT32_MAX : (size_t)total, 1);
+    return call(self, (char)kind, NULL, total > UINT32_MAX ? UINT32_MAX : (size_t)total, 1, tag);
 }
 
 static PyObject *worker_stats(Worker *self, PyObject *unused) {
@@ -119,13 +127,25 @@ static PyObject *worker_stats(Worker *self, PyObject *unused) {
                          "allreduces", s->allreduces, "bytes_sent", s->bytes, "call", self->w.call);
 }
 
-/* cancel(reason): from any thread, end the call in progress and refuse later ones; the call raises
- * SwitchaggTimeout with the reason. */
+/* cancel(reason, cause=SwitchaggError): from any thread, end the call in progress and refuse later ones;
+ * the call raises `cause` (SwitchaggError or one of its subclasses) with the reason. */
 static PyObject *worker_cancel(Worker *self, PyObject *args) {
     const char *why;
-    if (!PyArg_ParseTuple(args, "s", &why)) return NULL;
-    sa_worker_cancel(&self->w, why);
+    PyObject *cls = SwitchaggError;
+    if (!PyArg_ParseTuple(args, "s|O", &why, &cls)) return NULL;
+    int cause = -1;
+    for (int c = 0; c < SA_CAUSES; c++)
+        if (cause_class[c] == cls) cause = c;
+    if (cause < 0) return PyErr_Format(PyExc_TypeError, "cause must be SwitchaggError or one of its subclasses");
+    sa_worker_cancel(&self->w, why, cause);
     Py_RETURN_NONE;
+}
+
+/* call_identity(seq, tag): what a call numbered seq with this tag carries on the wire (for tests and tools). */
+static PyObject *worker_call_identity(PyObject *unused, PyObject *args) {
+    unsigned int seq, tag;
+    if (!PyArg_ParseTuple(args, "II", &seq, &tag)) return NULL;
+    return PyLong_FromUnsignedLong(sa_call_identity(seq, tag));
 }
 
 static PyObject *worker_close(Worker *self, PyObject *unused) {
@@ -155,13 +175,17 @@ static PyMethodDef worker_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0, "
      "key=0)"},
-    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS, "allreduce(buffer, kind): in-place sum, GIL released."},
+    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS,
+     "allreduce(buffer, kind, tag=0): in-place sum, GIL released; tag: the caller's digest of its own call, "
+     "part of the call's identity."},
     {"abort", (PyCFunction)worker_abort, METH_VARARGS,
-     "abort(total, kind): give up the next call after a local error; every peer fails that call too."},
+     "abort(total, kind, tag=0): give up the next call after a local error; every peer fails that call too."},
     {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
     {"cancel", (PyCFunction)worker_cancel, METH_VARARGS,
-     "cancel(reason): from any thread, end the call in progress (SwitchaggTimeout with the reason) and refuse "
-     "later ones."},
+     "cancel(reason, cause=SwitchaggError): from any thread, end the call in progress (raising cause with the "
+     "reason) and refuse later ones."},
+    {"call_identity", (PyCFunction)worker_call_identity, METH_VARARGS | METH_STATIC,
+     "call_identity(seq, tag): the wire identity of call number seq made with tag."},
     {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
     {NULL, NULL, 0, NULL},
 };
@@ -192,22 +216,43 @@ static PyTypeObject WorkerType = {
     .tp_getset = worker_getset,
 };
 
+static PyObject *new_error(const char *name, const char *doc, PyObject *base, PyObject *also) {
+    PyObject *bases = also ? PyTuple_Pack(2, base, also) : PyTuple_Pack(1, base);
+    if (!bases) return NULL;
+    PyObject *cls = PyErr_NewExceptionWithDoc(name, doc, bases, NULL);
+    Py_DECREF(bases);
+    return cls;
+}
+
 int sa_worker_register(PyObject *module) {
     SwitchaggError = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggError", "A switchagg operation failed.",
                                                PyExc_RuntimeError, NULL);
     if (!SwitchaggError) return -1;
-    PyObject *bases = PyTuple_Pack(2, SwitchaggError, PyExc_TimeoutError);
-    SwitchaggTimeout = PyErr_NewExceptionWithDoc("switchagg._core.SwitchaggTimeout",
-                                                 "No progress within the session timeout.", bases, NULL);
-    Py_XDECREF(bases);
+    SwitchaggTimeout = new_error("switchagg._core.SwitchaggTimeout",
+                                 "No progress within the call's timeout, and no peer known to be gone.",
+                                 SwitchaggError, PyExc_TimeoutError);
     if (!SwitchaggTimeout) return -1;
+    cause_class[SA_CAUSE_ERROR] = SwitchaggError;
+    cause_class[SA_CAUSE_TIMEOUT] = SwitchaggTimeout;
+    cause_class[SA_CAUSE_PEER_GONE] = new_error("switchagg._core.SwitchaggPeerGone",
+                                                "A peer rank's process (or the aggregator) is gone.", SwitchaggError,
+                                                NULL);
+    cause_class[SA_CAUSE_MISMATCH] = new_error("switchagg._core.SwitchaggMismatch",
+                                               "The ranks' calls differed (length, dtype, op, structure or order).",
+                                               SwitchaggError, NULL);
+    cause_class[SA_CAUSE_ABORTED] = new_error("switchagg._core.SwitchaggAborted",
+                                              "A rank gave up its call after a local error.", SwitchaggError, NULL);
+    cause_class[SA_CAUSE_TEARDOWN] = new_error("switchagg._core.SwitchaggTeardown",
+                                               "The control plane ended the job.", SwitchaggError, NULL);
+    static const char *names[SA_CAUSES] = {"SwitchaggError", "SwitchaggTimeout", "SwitchaggPeerGone",
+                                           "SwitchaggMismatch", "SwitchaggAborted", "SwitchaggTeardown"};
     if (PyType_Ready(&WorkerType) < 0) return -1;
-    Py_INCREF(SwitchaggError);
-    Py_INCREF(SwitchaggTimeout);
+    for (int c = 0; c < SA_CAUSES; c++) {
+        if (!cause_class[c]) return -1;
+        Py_INCREF(cause_class[c]);
+        if (PyModule_AddObject(module, names[c], cause_class[c]) < 0) return -1;
+    }
     Py_INCREF(&WorkerType);
-    if (PyModule_AddObject(module, "SwitchaggError", SwitchaggError) < 0 ||
-        PyModule_AddObject(module, "SwitchaggTimeout", SwitchaggTimeout) < 0 ||
-        PyModule_AddObject(module, "Worker", (PyObject *)&WorkerType) < 0)
-        return -1;
+    if (PyModule_AddObject(module, "Worker", (PyObject *)&WorkerType) < 0) return -1;
     return 0;
 }

@@ -51,7 +51,7 @@ class ShardAssignment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., node: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., result_key: _Optional[int] = ..., udp_port: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation", "result_key", "shards")
+    __slots__ = ("data_plane", "aggregator_ip", "aggregator_port", "job_id", "rank", "world_size", "slot_base", "slot_count", "k", "generation", "result_key", "shards", "member_token")
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_IP_FIELD_NUMBER: _ClassVar[int]
     AGGREGATOR_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class JoinReply(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESULT_KEY_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     data_plane: str
     aggregator_ip: str
     aggregator_port: int
@@ -76,17 +77,20 @@ class JoinReply(_message.Message):
     generation: int
     result_key: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardAssignment]
-    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., result_key: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ...) -> None: ...
+    member_token: str
+    def __init__(self, data_plane: _Optional[str] = ..., aggregator_ip: _Optional[str] = ..., aggregator_port: _Optional[int] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., result_key: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ..., member_token: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("secret", "job_id", "rank")
+    __slots__ = ("secret", "job_id", "rank", "member_token")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_id: int
     rank: int
-    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    member_token: str
+    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., member_token: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("job_removed",)
@@ -95,14 +99,16 @@ class LeaveReply(_message.Message):
     def __init__(self, job_removed: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("secret", "job_id", "rank")
+    __slots__ = ("secret", "job_id", "rank", "member_token")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_id: int
     rank: int
-    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    member_token: str
+    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., rank: _Optional[int] = ..., member_token: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("generation",)
@@ -111,10 +117,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("secret",)
-    SECRET_FIELD_NUMBER: _ClassVar[int]
-    secret: str
-    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+    __slots__ = ("admin_secret",)
+    ADMIN_SECRET_FIELD_NUMBER: _ClassVar[int]
+    admin_secret: str
+    def __init__(self, admin_secret: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("rank", "ip", "udp_port", "left")
@@ -177,12 +183,12 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class TeardownRequest(_message.Message):
-    __slots__ = ("secret", "job")
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("admin_secret", "job")
+    ADMIN_SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
-    secret: str
+    admin_secret: str
     job: str
-    def __init__(self, secret: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+    def __init__(self, admin_secret: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
 
 class TeardownReply(_message.Message):
     __slots__ = ("job_id",)
@@ -191,10 +197,10 @@ class TeardownReply(_message.Message):
     def __init__(self, job_id: _Optional[int] = ...) -> None: ...
 
 class CountersRequest(_message.Message):
-    __slots__ = ("secret",)
-    SECRET_FIELD_NUMBER: _ClassVar[int]
-    secret: str
-    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+    __slots__ = ("admin_secret",)
+    ADMIN_SECRET_FIELD_NUMBER: _ClassVar[int]
+    admin_secret: str
+    def __init__(self, admin_secret: _Optional[str] = ...) -> None: ...
 
 class Counter(_message.Message):
     __slots__ = ("data_plane", "scope", "name", "index", "packets", "bytes")

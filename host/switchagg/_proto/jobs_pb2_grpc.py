@@ -75,7 +75,9 @@ class JobServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Blocks until world_size workers joined the job (or the join timeout expires).
+        """Blocks until world_size workers joined the job (or the join timeout expires). Quotas per
+        client (its address as the service sees it): jobs, slots, and pending joins overall;
+        over one: RESOURCE_EXHAUSTED naming it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from switchagg.torch import native
+from switchagg.errors import SwitchaggPeerGone
+from switchagg.torch import identity, native
 from switchagg.torch.calls import DELEGATED as ON_GLOO
 from switchagg.torch.calls import NETWORK, CallLog, first_tensor
 from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
@@ -84,6 +85,7 @@ class Network:
         self.rank, self.size, self.timeout = rank, size, timeout
         self._lock = threading.Lock()
         self.calls = CallLog(f"switchagg group {group_tag} (rank {rank} of {size})")
+        self.identity = identity.CallIdentity(store, rank, size, f"switchagg group {group_tag}")
         self._watch = PeerWatch(store, rank, size, session_timeout(), self._peer_gone)
         exchange = StoreExchange(store, rank, size)
         try:
@@ -112,7 +114,7 @@ class Network:
     def _peer_gone(self, reason: str) -> None:
         plane = self._plane
         if plane is not None:
-            plane.lanes.cancel(reason)
+            plane.lanes.cancel(reason, SwitchaggPeerGone)
 
     def close(self) -> None:
         atexit.unregister(self.close)  # a closed group is not kept alive until exit
@@ -157,13 +159,16 @@ class Network:
         if why:
             self.calls.record(op, ON_GLOO, first_tensor(tensors), why)
             return False
-        divide_by = self.size if red_op == dist.ReduceOp.AVG else 1
-        how = f"AVG: SUM in the network, then / {divide_by} on each rank" if divide_by > 1 else "SUM"
+        average = red_op == dist.ReduceOp.AVG
+        divide_by = self.size if average else 1
+        how = f"AVG: SUM in the network, then / {divide_by} on each rank" if average else "SUM"
         self.calls.record(op, NETWORK, tensors[0], how=how)
+        # Numbered and described even when empty, so that every rank's numbers stay in step.
+        _, description = self.identity.next("AVG" if average else "SUM", tensors)
         if sum(t.numel() for t in tensors) == 0:
             done(None)
             return True
-        pending, finish = self._network_sum(tensors, divide_by)
+        pending, finish = self._network_sum(tensors, divide_by, description)
         self._watch.track(pending)
 
         def complete(f: concurrent.futures.Future[None]) -> None:
@@ -171,7 +176,7 @@ class Network:
                 f.result()
                 finish()
             except BaseException as e:  # the Work's future carries it to whoever waits
-                done(e)
+                done(self.identity.explain(e))
                 return
             done(None)
 
@@ -179,7 +184,7 @@ class Network:
         return True
 
     def _network_sum(
-        self, tensors: list[torch.Tensor], divide_by: int
+        self, tensors: list[torch.Tensor], divide_by: int, description: str
     ) -> tuple[concurrent.futures.Future[None], Callable[[], None]]:
         """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
         tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by
@@ -192,8 +197,8 @@ class Network:
                 if divide_by != 1:
                     t.div_(divide_by)
 
-            return lanes.allreduce_async(t), divide
-        return self._stager.run(tensors, divide_by), lambda: None
+            return lanes.allreduce_async(t, tag=identity.tag(description, 0, 1)), divide
+        return self._stager.run(tensors, divide_by, description), lambda: None
 
 
 # Summed where they are, without a copy.

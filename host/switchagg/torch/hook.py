@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from switchagg.errors import SwitchaggPeerGone
+from switchagg.torch import identity
 from switchagg.torch.calls import DELEGATED, NETWORK, CallLog
 from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
 from switchagg.torch.liveness import PeerWatch
@@ -74,6 +76,7 @@ class SwitchaggHookState:
         self.calls = CallLog(f"switchagg hook {tag} (rank {self.rank} of {self.world_size})")
         self._warned = False
         store = dist.PrefixStore(f"switchagg/{tag}", dist.distributed_c10d._get_default_store())
+        self.identity = identity.CallIdentity(store, self.rank, self.world_size, f"switchagg hook {tag}")
         self._watch = PeerWatch(store, self.rank, self.world_size, session_timeout(), self._peer_gone)
         try:
             self.plane: DataPlane | None = open_data_plane(
@@ -94,7 +97,7 @@ class SwitchaggHookState:
     def _peer_gone(self, reason: str) -> None:
         plane = self.plane
         if plane is not None:
-            plane.lanes.cancel(reason)
+            plane.lanes.cancel(reason, SwitchaggPeerGone)
 
     def fell_back(self, tensor: torch.Tensor, why: str) -> None:
         """Counted and logged; a one-time warning, since DDP gradients then skip the network."""
@@ -151,22 +154,23 @@ def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.
         else f"AVG: SUM in the network, then / {n}"
     )
     state.calls.record("allreduce", NETWORK, tensor, how=how)
+    _, description = state.identity.next("AVG", [tensor])  # the hook averages, as torch's default hook
     devices: list[int | str | torch.device] | None = [tensor.device] if tensor.device.type == "cuda" else None
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     pending: concurrent.futures.Future[None]
     if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
         # Divide first, as the default hook does, so results match it to the quantization bound.
         tensor.div_(state.world_size)
-        pending = state.plane.lanes.allreduce_async(tensor)
+        pending = state.plane.lanes.allreduce_async(tensor, tag=identity.tag(description, 0, 1))
     else:
-        pending = state._stager.run([tensor], state.world_size)
+        pending = state._stager.run([tensor], state.world_size, description)
     state._watch.track(pending)
 
     def complete(done: object) -> None:
         try:
             pending.result()
         except BaseException as e:
-            result.set_exception(e)  # type: ignore[arg-type]  # torch's stub is wrong
+            result.set_exception(state.identity.explain(e))  # type: ignore[arg-type]  # torch's stub is wrong
         else:
             result.set_result(tensor)
 

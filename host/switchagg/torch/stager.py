@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from switchagg.torch import identity
+
 # Bytes of the wire dtype per chunk, rounded down to whole packets of K elements.
 DEFAULT_CHUNK_BYTES = 4 << 20
 
@@ -82,8 +84,12 @@ class Stager:
         self.chunk = chunk
         self.pin_memory = pin_memory
 
-    def run(self, tensors: list[torch.Tensor], divide_by: int = 1) -> concurrent.futures.Future[None]:
-        """``divide_by``: each result is divided by it in the wire dtype before it is copied back (AVG)."""
+    def run(
+        self, tensors: list[torch.Tensor], divide_by: int = 1, description: str = ""
+    ) -> concurrent.futures.Future[None]:
+        """``divide_by``: each result is divided by it in the wire dtype before it is copied back (AVG).
+        ``description``: the user's call (identity.describe); every chunk's wire call carries it and the
+        chunk's index (identity.tag), so ranks whose calls differ fail instead of summing chunks."""
         device = _Device(tensors[0].device)
         dtype = tensors[0].dtype
         single = len(tensors) == 1 and tensors[0].is_contiguous()
@@ -129,15 +135,16 @@ class Stager:
 
             return back
 
-        for a, b in bounds:
+        for index, (a, b) in enumerate(bounds):
             with device.on_side_stream():
                 # float32 (on the device, for CUDA) before the copy: bfloat16/float16 are exact in it
                 host[a:b].copy_(flat[a:b].to(host.dtype), non_blocking=True)
                 ready = device.event()
             try:
-                pending = self.submit(host[a:b], ready=lambda ev=ready: device.wait(ev))
+                chunk_tag = identity.tag(description, index, len(bounds)) if description else 0
+                pending = self.submit(host[a:b], ready=lambda ev=ready: device.wait(ev), tag=chunk_tag)
             except BaseException as e:  # noqa: BLE001 (a closed session: the chunks queued already end)
-                for _ in range(len(bounds) - bounds.index((a, b))):
+                for _ in range(len(bounds) - index):
                     state.chunk_done(e, finish)
                 break
             pending.add_done_callback(chunk_back(a, b))

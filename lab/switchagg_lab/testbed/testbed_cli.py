@@ -71,10 +71,12 @@ def _prefix(name: str) -> str:
 
 
 def ctl_env(name: str) -> dict[str, str]:
-    """The variables that point switchagg-ctl (and a worker) at the testbed's job service."""
+    """The variables that point switchagg-ctl (the admin secret) and a worker (the join secret) at
+    the testbed's job service."""
     return {
         "SWITCHAGG_JOB_SERVICE": service_address(_dir(name)),
         "SWITCHAGG_SECRET_FILE": str(_dir(name) / "secret"),
+        "SWITCHAGG_ADMIN_SECRET_FILE": str(_dir(name) / "admin.secret"),
     }
 
 

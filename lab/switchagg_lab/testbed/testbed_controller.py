@@ -60,7 +60,7 @@ def _serve_argv(workdir: Path) -> list[str]:
     return [
         sys.executable, "-m", "switchagg_controller.cli", "serve",
         "--listen", service_address(workdir), "--secret-file", str(_secret(workdir / "secret")),
-        "--state", str(workdir / "ctl.db"),
+        "--admin-secret-file", str(_secret(workdir / "admin.secret")), "--state", str(workdir / "ctl.db"),
     ]  # fmt: skip
 
 

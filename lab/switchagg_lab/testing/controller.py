@@ -11,15 +11,24 @@ from typing import Any
 from switchagg_lab.testing.job_worker import PROGRAM
 from switchagg_lab.testing.kit import json_reports
 
-SECRET = "s3cret-for-tests"
+SECRET = "s3cret-for-tests"  # the join secret
+ADMIN_SECRET = "admin-s3cret-for-tests"  # ListJobs, Counters, Teardown: client_args()
 
 
 class Controller:
     """``switchagg-ctl serve`` in its own process; ``address`` is its job service."""
 
-    def __init__(self, tmp: Path, extra: list[str], secret: str = SECRET) -> None:
+    def __init__(
+        self, tmp: Path, extra: list[str], secret: str = SECRET, admin_secret: str | None = ADMIN_SECRET
+    ) -> None:
+        """``admin_secret`` None: serve is given none, and keeps the one it makes (the banner says where)."""
         self.secret_file = tmp / "secret"
         self.secret_file.write_text(secret + "\n")
+        self.admin_secret_file = tmp / "admin-secret"
+        self.admin_flags: list[str] = []
+        if admin_secret is not None:
+            self.admin_secret_file.write_text(admin_secret + "\n")
+            self.admin_flags = ["--admin-secret-file", str(self.admin_secret_file)]
         self.state = tmp / "ctl.db"
         self.extra = extra
         self.proc: subprocess.Popen[str] | None = None
@@ -30,7 +39,8 @@ class Controller:
         cmd = [
             sys.executable, "-m", "switchagg_controller.cli", "serve",
             "--listen", listen or f"127.0.0.1:{port}",
-            "--secret-file", str(self.secret_file), "--state", str(self.state), *self.extra,
+            "--secret-file", str(self.secret_file), *self.admin_flags,
+            "--state", str(self.state), *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -40,6 +50,8 @@ class Controller:
             _, err = self.proc.communicate(timeout=30)
             raise RuntimeError(f"switchagg-ctl serve did not start: {self.banner!r} {err}")
         self.address = self.banner.split("job service on ")[1].split(";")[0]
+        if not self.admin_flags:
+            self.admin_secret_file = Path(self.banner.split("admin secret in ")[1].split(";")[0].strip())
         return self
 
     def stop(self) -> str:
@@ -71,7 +83,8 @@ class Controller:
         return r
 
     def client_args(self) -> list[str]:
-        return ["--service", self.address, "--secret-file", str(self.secret_file)]
+        """The flags of an operator's command (jobs, counters, top, teardown): the admin secret."""
+        return ["--service", self.address, "--admin-secret-file", str(self.admin_secret_file)]
 
 
 def start_workers(

@@ -709,19 +709,56 @@ def scenario_grad_scaler(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+# The user's calls that must fail on every rank (tests/test_torch_backend.py, test_mismatched_calls_*):
+# rank 1 makes the first, the other ranks the second. STAGED: one chunk of the stager (K = 16368).
+STAGED = 1_047_552
+MISMATCHES: dict[str, tuple[list[tuple[int, str, str]], list[tuple[int, str, str]]]] = {
+    # (elements, dtype, op) per call; a list of lengths is one coalesced call
+    "split": ([(200_000, "", "sum")], [(100_000, "", "sum"), (100_000, "", "sum")]),
+    "staged_dtype": (
+        [(2 * STAGED, "bfloat16", "sum")],
+        [(STAGED, "float32", "sum"), (STAGED, "float32", "sum")],
+    ),
+    "dtype": ([(50_000, "float16", "sum")], [(50_000, "float32", "sum")]),
+    "op": ([(50_000, "float32", "avg")], [(50_000, "float32", "sum")]),
+}
+
+
+def _mismatch_tensor(elements: int, dtype: str) -> torch.Tensor:
+    if not dtype:  # MISMATCH_DTYPE's (the original split case runs with int32 and float32)
+        dtype = "int32" if os.environ.get("MISMATCH_DTYPE") == "int32" else "float32"
+    return torch.ones(elements, dtype=getattr(torch, dtype))
+
+
 def scenario_mismatched_calls(rank: int, n: int, out_dir: Path) -> None:
-    """Rank 0 allreduces 2 x M elements, the others one call of 2M: every rank must fail its call
-    with what differed, never return a partial sum as success."""
+    """MISMATCH_CASE (default split): rank 1's user calls differ from the others' (MISMATCHES; also
+    "coalesced": a list of two tensors against one of their total length, and "hook": the DDP hook on
+    a bfloat16 bucket against float32): every rank must fail its call with what differed, in the
+    user's terms, never return a partial sum as success."""
+    case = os.environ.get("MISMATCH_CASE", "split")
     dist.init_process_group("switchagg")
-    m = 100_000
-    dtype = torch.int32 if os.environ.get("MISMATCH_DTYPE") == "int32" else torch.float32
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"case": case}
     try:
-        if rank == 0:
-            for _ in range(2):
-                dist.all_reduce(torch.ones(m, dtype=dtype))
+        if case == "coalesced":
+            if rank == 1:
+                dist.all_reduce_coalesced([torch.ones(3000), torch.ones(5000)])
+            else:
+                dist.all_reduce(torch.ones(8000))
+        elif case == "hook":
+            gloo = dist.new_group(backend="gloo")
+            state = satorch.SwitchaggHookState(gloo)
+            bucket = torch.ones(50_000, dtype=torch.bfloat16 if rank == 1 else torch.float32)
+
+            class Bucket:  # what the hook reads of DDP's GradBucket
+                def buffer(self) -> torch.Tensor:
+                    return bucket
+
+            satorch.allreduce_hook(state, Bucket()).wait()  # type: ignore[arg-type]
         else:
-            dist.all_reduce(torch.ones(2 * m, dtype=dtype))
+            mine, theirs = MISMATCHES[case]
+            for elements, dtype, op in mine if rank == 1 else theirs:
+                reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+                dist.all_reduce(_mismatch_tensor(elements, dtype), op=reduce_op)
         result["error"] = None
     except Exception as e:
         result.update(

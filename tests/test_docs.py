@@ -167,12 +167,21 @@ def test_the_torch_environment_table_matches_the_code() -> None:
         else:
             assert name in table, f"docs/TORCH.md's environment table lacks {name}"
     assert f"`{'SWITCHAGG_METRICS_PORT'}`" in torch_doc
-    k = re.search(r"elements per packet \(default (\d+), at most (\d+)\)", table["SWITCHAGG_K"])
-    slots = re.search(r"slots \(window\) of the job \(default (\d+)\)", table["SWITCHAGG_SLOTS"])
+    # K and the window follow the path MTU (docs/PROTOCOL.md, K by MTU): the examples quoted are the code's
+    k = re.search(
+        r"elements per packet \(default: [^;]*?(\d+) at MTU 1500, (\d+) on loopback; at most (\d+)\)",
+        table["SWITCHAGG_K"],
+    )
+    slots = re.search(
+        r"slots \(window\) of the job \(default: (\d+) KiB of packets, at least (\d+)",
+        table["SWITCHAGG_SLOTS"],
+    )
     assert k and slots, table["SWITCHAGG_K"]
-    assert int(k.group(1)) == reads["SWITCHAGG_K"]["default"] == protocol.DEFAULT_SW_K
-    assert int(k.group(2)) == reads["SWITCHAGG_K"]["max"] == protocol.MAX_K
-    assert int(slots.group(1)) == reads["SWITCHAGG_SLOTS"]["default"] == protocol.DEFAULT_SW_SLOTS
+    assert int(k.group(1)) == protocol.k_for_mtu(1500)
+    assert int(k.group(2)) == protocol.DEFAULT_SW_K == protocol.k_for_mtu(65535)
+    assert int(k.group(3)) == reads["SWITCHAGG_K"]["max"] == protocol.MAX_K
+    assert int(slots.group(1)) << 10 == protocol.WINDOW_BYTES
+    assert int(slots.group(2)) == protocol.DEFAULT_SW_SLOTS == protocol.window_slots(protocol.MAX_K)
     for name in ("SWITCHAGG_TIMEOUT", "SWITCHAGG_LANES", "SWITCHAGG_SHARDS"):
         m = re.search(r"\(default (\d+)(?:, at most (\d+))?", table[name])
         assert m, f"TORCH.md: {name} names its default"

@@ -228,6 +228,36 @@ def _job_name(text: str) -> tuple[int, str]:
     return int(job), name
 
 
+def _install_jobs(agg: SoftwareAggregator, args: argparse.Namespace) -> dict[int, int]:
+    """Every --job on ``agg`` (with its --job-name and --leaf): each job's result key, by job id."""
+    names = dict(args.job_name)
+    unknown = sorted(set(names) - {job[0] for job in args.job})
+    if unknown:
+        raise ValueError(f"--job-name names job {unknown[0]}, which no --job installs")
+    leaves = {job: (index, spine) for job, index, spine in args.leaf}
+    unknown = sorted(set(leaves) - {job[0] for job in args.job})
+    if unknown:
+        raise ValueError(f"--leaf names jobs that no --job installs: {unknown}")
+    keys: dict[int, int] = {}
+    for job in args.job:
+        index, spine = leaves.get(job[0], (0, None))
+        if spine is None and None in job[6]:
+            raise ValueError(f"job {job[0]} has ranks '-' (behind other leaves) but no --leaf {job[0]}:...")
+        if job[7] == UNKEYED:
+            print(
+                f"switchagg-aggregator: warning: job {job[0]} is unkeyed: its workers accept any "
+                "RESULT from this port, so a process that takes it over while this one is down can "
+                "forge sums (docs/PROTOCOL.md, Security)",
+                file=sys.stderr,
+            )
+        with warnings.catch_warnings():  # said above, in the daemon's words
+            warnings.simplefilter("ignore", RuntimeWarning)
+            keys[job[0]] = agg.add_job(
+                *job[:7], name=names.get(job[0], ""), upstream=spine, leaf_index=index, key=job[7]
+            )
+    return keys
+
+
 @quiet_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -242,33 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             threads=args.threads if args.threads is not None else min(usable_cpus(), MAX_THREADS),
         )
-        names = dict(args.job_name)
-        unknown = sorted(set(names) - {job[0] for job in args.job})
-        if unknown:
-            raise ValueError(f"--job-name names job {unknown[0]}, which no --job installs")
-        leaves = {job: (index, spine) for job, index, spine in args.leaf}
-        unknown = sorted(set(leaves) - {job[0] for job in args.job})
-        if unknown:
-            raise ValueError(f"--leaf names jobs that no --job installs: {unknown}")
-        keys: dict[int, int] = {}
-        for job in args.job:
-            index, spine = leaves.get(job[0], (0, None))
-            if spine is None and None in job[6]:
-                raise ValueError(
-                    f"job {job[0]} has ranks '-' (behind other leaves) but no --leaf {job[0]}:..."
-                )
-            if job[7] == UNKEYED:
-                print(
-                    f"switchagg-aggregator: warning: job {job[0]} is unkeyed: its workers accept any "
-                    "RESULT from this port, so a process that takes it over while this one is down can "
-                    "forge sums (docs/PROTOCOL.md, Security)",
-                    file=sys.stderr,
-                )
-            with warnings.catch_warnings():  # said above, in the daemon's words
-                warnings.simplefilter("ignore", RuntimeWarning)
-                keys[job[0]] = agg.add_job(
-                    *job[:7], name=names.get(job[0], ""), upstream=spine, leaf_index=index, key=job[7]
-                )
+        keys = _install_jobs(agg, args)
         if args.metrics_port is not None:
             metrics_host, metrics_port = agg.serve_metrics(args.metrics_port, args.metrics_host)
         if args.control is not None:

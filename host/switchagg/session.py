@@ -87,6 +87,53 @@ def _warn_small_window(w: _core.Worker, slot_count: int, k: int, window: int) ->
     )
 
 
+def _shards_of(
+    job: int,
+    aggregator: tuple[str, int] | Sequence[tuple[str, int]],
+    slot_base: int,
+    slot_count: int,
+    key: int | None,
+    shards: Sequence[Shard] | None,
+) -> list[Shard]:
+    """The session's shards: as given, or one per aggregator address with the job's slots and key."""
+    if shards is None:
+        if key is None:
+            raise ValueError(
+                f"job {job}: Session needs key=, the job's result key as installed on its aggregator "
+                "(add_job's return value, or what switchagg-aggregator printed); key=switchagg.UNKEYED "
+                "runs without one"
+            )
+        many = [aggregator] if isinstance(aggregator[0], str) else list(aggregator)
+        shards = [Shard((str(a[0]), int(a[1])), slot_base, slot_count, key) for a in many]  # type: ignore[index]
+    if not shards:
+        raise ValueError("a session needs at least one aggregator")
+    if any(s.key == UNKEYED for s in shards):
+        warn_unkeyed(f"job {job}")
+    return list(shards)
+
+
+def _bound_workers(
+    shards: Sequence[Shard],
+    bind: tuple[str, int],
+    rcvbuf: int,
+    worker: _core.Worker | None,
+    workers: Sequence[_core.Worker] | None,
+) -> list[_core.Worker]:
+    """One socket per shard: those given, else shard 0 on ``bind``'s port and the others on free ones."""
+    bound = list(workers) if workers is not None else []
+    if worker is not None and not bound:
+        bound = [worker]
+    while len(bound) < len(shards):
+        bound.append(_core.Worker(bind[0], 0 if bound else bind[1], rcvbuf))
+    return bound
+
+
+def _path_k(shards: Sequence[Shard], workers: Sequence[_core.Worker]) -> int:
+    """The most values one IP packet carries on every shard's path (nothing is ever fragmented)."""
+    mtus = [path_mtu(w.address[0], s.aggregator) for s, w in zip(shards, workers, strict=True)]
+    return protocol.k_for_mtu(min(mtus))
+
+
 class Session:
     """One rank of one job on a data plane (the P4 switch or the software aggregator).
 
@@ -141,27 +188,9 @@ class Session:
         each shard its own (what the job service hands out). Every tensor is then cut into that many
         contiguous shards, each summed on its own aggregator through a socket of its own, all at
         once; ``_workers``: the sockets, one per shard (bound already), else bound here."""
-        if shards is None:
-            if key is None:
-                raise ValueError(
-                    f"job {job}: Session needs key=, the job's result key as installed on its aggregator "
-                    "(add_job's return value, or what switchagg-aggregator printed); key=switchagg.UNKEYED "
-                    "runs without one"
-                )
-            many = [aggregator] if isinstance(aggregator[0], str) else list(aggregator)
-            shards = [Shard((str(a[0]), int(a[1])), slot_base, slot_count, key) for a in many]  # type: ignore[index]
-        if not shards:
-            raise ValueError("a session needs at least one aggregator")
-        if any(s.key == UNKEYED for s in shards):
-            warn_unkeyed(f"job {job}")
-        workers = list(_workers) if _workers is not None else []
-        if _worker is not None and not workers:
-            workers = [_worker]
-        while len(workers) < len(shards):  # shard 0 on the given port, the others on free ones
-            workers.append(_core.Worker(bind[0], 0 if workers else bind[1], rcvbuf))
-        if k is None:
-            mtus = [path_mtu(w.address[0], s.aggregator) for s, w in zip(shards, workers, strict=True)]
-            k = protocol.k_for_mtu(min(mtus))
+        shards = _shards_of(job, aggregator, slot_base, slot_count, key, shards)
+        workers = _bound_workers(shards, bind, rcvbuf, _worker, _workers)
+        k = k if k is not None else _path_k(shards, workers)
         for shard, w in zip(shards, workers, strict=True):
             _configure(w, shard, job, rank, world_size, k, rto, rto_max, timeout)
         self._worker = workers[0]

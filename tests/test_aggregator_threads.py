@@ -85,7 +85,8 @@ def test_each_thread_answers_its_slots_from_the_one_port(sock: socket.socket) ->
             h = Header.unpack(payload)
             assert source == agg.address and h.type == MSG_RESULT and h.values == [h.slot] * 16
         c = agg.counters()
-    per_thread = [sum(1 for s in range(10, 18) if s % 3 == t) for t in range(3)]
+    # a thread owns whole steering classes: (slot mod STEER_CLASSES) mod threads
+    per_thread = [sum(1 for s in range(10, 18) if s % protocol.STEER_CLASSES % 3 == t) for t in range(3)]
     assert [t["aggregated"] for t in c["threads"]] == per_thread
     assert [t["tx"] for t in c["threads"]] == per_thread
     assert c["jobs"][2]["aggregated"] == c["jobs"][2]["multicast"] == c["tx"] == 8

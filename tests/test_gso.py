@@ -46,10 +46,11 @@ def _run(
     return stats, counters, offload
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_gso_trains_and_coalesced_receives_both_ways(threads: int) -> None:
-    """With 2 aggregator threads a train holds slots of both (the kernel steers it whole, by its
-    first datagram): each datagram is still summed by its slot's owner."""
+    """The kernel steers a train whole, by its first datagram: a worker's train holds slots of one
+    steering class, so with 2 or 3 aggregator threads every datagram reaches its slot's owner's own
+    socket (a thread never sums more than it received) and a slot's packets stay in order."""
     stats, counters, offload = _run(threads=threads)
     # 44 packets of 1472 bytes per send: as much as one 64 KiB datagram
     assert offload == [(protocol.MAX_UDP_PAYLOAD // protocol.packet_len(K), True)] * N
@@ -60,6 +61,9 @@ def test_gso_trains_and_coalesced_receives_both_ways(threads: int) -> None:
     assert counters["gso_sends"] > 0  # results went back in trains, one per worker and batch
     assert sum(s["gro_receives"] for s in stats) > 0
     assert not any(t["misrouted"] for t in counters["threads"])
+    # no train mixed classes: a thread summed only what reached its own socket (a mixed train would
+    # have its owner sum packets another thread received)
+    assert all(t["aggregated"] <= t["rx"] for t in counters["threads"]), counters["threads"]
     assert sum(j["aggregated"] for j in counters["jobs"].values()) == sum(
         t["aggregated"] for t in counters["threads"]
     )

@@ -45,6 +45,7 @@ def test_c_constants_match_protocol_py() -> None:
         "MAX_UDP_PAYLOAD",
         "MAX_K",
         "IPV4_UDP_HEADERS",
+        "STEER_CLASSES",
     ):
         assert c[name] == getattr(protocol, name), name
     assert c["DROP_NREASONS"] == len(protocol.DROP_REASONS)

@@ -152,6 +152,19 @@ static void send_each(struct sa_agg_thread *t, const size_t *idx, size_t count) 
  * GSO datagram train: a sendmsg per worker and batch instead of one per result. Where the kernel
  * refuses (EIO: no checksum offload; EINVAL: a segment above the device's MTU), GSO is off for
  * this thread and the rest goes one datagram each. */
+/* The thread that owns a slot: its steering class's (protocol.h, SA_STEER_CLASSES), so a GSO train of
+ * one class is one thread's whole. */
+static inline uint32_t slot_owner(const struct sa_agg *a, uint32_t slot) {
+    return (slot % SA_STEER_CLASSES) % (uint32_t)a->nthreads;
+}
+
+/* A partial (DATA) goes up to a spine that may run several threads: its GSO trains hold one class. */
+static inline int same_train(const struct out_msg *a, const struct out_msg *b) {
+    return a->head.type != SA_MSG_DATA ||
+           (ntohs(a->head.pool) & SA_POOL_SLOT_MASK) % SA_STEER_CLASSES ==
+               (ntohs(b->head.pool) & SA_POOL_SLOT_MASK) % SA_STEER_CLASSES;
+}
+
 static void flush_gso(struct sa_agg_thread *t) {
     size_t m = t->n_out, nmsg = 0, nidx = 0, niov = 0;
     uint8_t taken[SA_OUT_MSGS] = {0};
@@ -164,7 +177,9 @@ static void flush_gso(struct sa_agg_thread *t) {
         t->tx_first[nmsg] = nidx;
         for (size_t j = i; j < m && segs < (size_t)(max ? max : 1); j++) {
             struct out_msg *q = &t->out[j];
-            if (taken[j] || !same_addr(&q->dst, &o->dst) || sizeof q->head + q->payload_len != len) continue;
+            if (taken[j] || !same_addr(&q->dst, &o->dst) || sizeof q->head + q->payload_len != len ||
+                !same_train(q, o))
+                continue;
             taken[j] = 1;
             t->tx_idx[nidx++] = j;
             t->tx_flat[niov].iov_base = &q->head;
@@ -355,7 +370,7 @@ static int job_slot(struct sa_agg_thread *t, const struct job *j, const struct s
         t->drops[SA_DROP_TRUNCATED]++;
         return 0;
     }
-    if (slot % (uint32_t)t->a->nthreads != (uint32_t)t->index) {
+    if (slot_owner(t->a, slot) != (uint32_t)t->index) {
         /* Another thread's slot: only a packet queued before the group had all its sockets can
          * land here. Its state is not ours to touch; the sender's resend is steered right. */
         t->misrouted++;
@@ -513,12 +528,13 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
 
 
 /* The reuseport group's program: the socket index for a datagram, read from the UDP payload (the
- * switchagg header): (pool & SA_POOL_SLOT_MASK) % nthreads. A datagram too short to hold the pool
+ * switchagg header): slot_owner of its slot. A datagram too short to hold the pool
  * field ends the program at the load, which returns 0: thread 0 counts it as truncated. */
 static int attach_steering(int fd, int nthreads) {
     struct sock_filter code[] = {
         BPF_STMT(BPF_LD | BPF_H | BPF_ABS, offsetof(struct sa_header, pool)),
         BPF_STMT(BPF_ALU | BPF_AND | BPF_K, SA_POOL_SLOT_MASK),
+        BPF_STMT(BPF_ALU | BPF_MOD | BPF_K, SA_STEER_CLASSES),
         BPF_STMT(BPF_ALU | BPF_MOD | BPF_K, (uint32_t)nthreads),
         BPF_STMT(BPF_RET | BPF_A, 0),
     };
@@ -814,7 +830,7 @@ static uint16_t owner_of(const struct sa_agg *a, const uint8_t *p, size_t len) {
     if (a->nthreads < 2 || len < offsetof(struct sa_header, pool) + 2) return 0;
     uint16_t pool;
     memcpy(&pool, p + offsetof(struct sa_header, pool), sizeof pool);
-    return (uint16_t)((ntohs(pool) & SA_POOL_SLOT_MASK) % (uint32_t)a->nthreads);
+    return (uint16_t)slot_owner(a, ntohs(pool) & SA_POOL_SLOT_MASK);
 }
 
 /* Serve one received batch: fault injection in, the algorithm, then send what it produced. A

@@ -27,6 +27,10 @@
 #define SA_P4_NUM_SLOTS 1024
 #define SA_MAX_UDP_PAYLOAD 65507
 #define SA_MAX_K ((SA_MAX_UDP_PAYLOAD - SA_HEADER_LEN) / 4)
+/* A GSO train carries slots of one steering class (slot mod SA_STEER_CLASSES) only, and a multi-threaded
+ * aggregator gives each thread whole classes ((slot mod SA_STEER_CLASSES) mod threads): the kernel steers a
+ * train whole by its first packet, so every packet of a slot always reaches the same thread, in order. */
+#define SA_STEER_CLASSES 8
 #define SA_IPV4_UDP_HEADERS 28 /* IPv4 (no options) + UDP: a datagram of L bytes is an IP packet of L + 28 */
 
 /* Drop reasons, in the order of protocol.DROP_REASONS. */

@@ -249,6 +249,7 @@ static void build_packet(run_t *r, size_t i) {
 }
 
 static int send_plain(run_t *r, const size_t *which, size_t count);
+static int send_trains(run_t *r, const size_t *which, size_t count);
 
 /* The kernel cannot segment here (EIO: the device has no checksum offload; EINVAL: the route's MTU
  * shrank): send one datagram per packet from now on. */
@@ -259,6 +260,22 @@ static int gso_refused(int e) { return e == EIO || e == EINVAL || e == ENOPROTOO
 static int send_slots(run_t *r, const size_t *which, size_t count) {
     struct sa_worker *w = r->w;
     if (w->gso_segs < 2 || count < 2) return send_plain(r, which, count);
+    /* One steering class after another (protocol.h, SA_STEER_CLASSES), each in the order given: a
+     * train is steered whole by its first packet, so it holds packets of one class only. */
+    size_t *ordered = malloc(count * sizeof *ordered);
+    if (ordered == NULL) return send_plain(r, which, count);
+    size_t n = 0;
+    for (uint32_t c = 0; c < SA_STEER_CLASSES; c++)
+        for (size_t j = 0; j < count; j++)
+            if ((uint32_t)(w->slot_base + (int)which[j]) % SA_STEER_CLASSES == c) ordered[n++] = which[j];
+    int rc = send_trains(r, ordered, count);
+    free(ordered);
+    return rc;
+}
+
+/* GSO sends of packets ``which`` (of one class per run of up to w->gso_segs), many per sendmmsg. */
+static int send_trains(run_t *r, const size_t *which, size_t count) {
+    struct sa_worker *w = r->w;
     struct mmsghdr msgs[GSO_MSGS];
     struct iovec iov[GSO_MSGS * SA_GSO_MAX_SEGS];
     size_t segs[GSO_MSGS];
@@ -267,6 +284,12 @@ static int send_slots(run_t *r, const size_t *which, size_t count) {
         size_t m = 0, used = 0;
         for (; m < GSO_MSGS && sent + used < count; m++) {
             size_t take = count - sent - used < (size_t)w->gso_segs ? count - sent - used : (size_t)w->gso_segs;
+            size_t first = sent + used, cls = (size_t)(w->slot_base + (int)which[first]) % SA_STEER_CLASSES;
+            for (size_t j = 1; j < take; j++) /* the train ends where the class changes */
+                if ((size_t)(w->slot_base + (int)which[first + j]) % SA_STEER_CLASSES != cls) {
+                    take = j;
+                    break;
+                }
             struct iovec *v = &iov[m * SA_GSO_MAX_SEGS];
             for (size_t j = 0; j < take; j++) {
                 v[j].iov_base = w->pkts + which[sent + used + j] * w->pkt_len;

@@ -4,7 +4,7 @@ for the metrics, and result keys. Its console script, switchagg-aggregator, is a
 
 Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
 address and its results go only there (docs/PROTOCOL.md, Security). With ``threads`` > 1 the
-port is served by that many threads, each owning the slots congruent to its index
+port is served by that many threads, each owning the slots whose class (slot mod 8) is congruent to its index
 (docs/PROTOCOL.md, The software aggregator).
 """
 
@@ -113,7 +113,8 @@ _JOIN_TIMEOUT_S = 10.0  # run() notices stop() within ~50 ms; this only guards a
 
 class SoftwareAggregator:
     """A UDP aggregator serving in a background thread (and ``threads - 1`` more of the engine's,
-    each on its own socket of the same port, owning the slots congruent to its index); the GIL is
+    each on its own socket of the same port, owning the slots whose class, slot mod 8, is congruent to
+    its index); the GIL is
     released while it serves."""
 
     def __init__(

@@ -7,7 +7,8 @@ A job without KEY gets a random result key, printed (``job 7 result key: 0x...``
 
 Every job names each rank's (IP, UDP port): a rank's contributions are accepted only from its
 address and its results go only there (docs/PROTOCOL.md, Security). ``--threads N`` serves the
-port with N threads (default: the CPUs the process may use), each owning the slots congruent to
+port with N threads (default: the CPUs the process may use), each owning the slots whose class (slot
+mod 8) is congruent to
 its index; the workers are unchanged.
 
 Two levels (docs/PROTOCOL.md, Two levels): a leaf names its local ranks and ``-`` for the others,
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_threads,
         default=None,
         metavar="N",
-        help="serving threads, one socket each on the port, each owning the slots congruent to its "
+        help="serving threads, one socket each on the port, each owning the slots whose class (slot mod 8) "
+        "is congruent to its "
         "index (default: the CPUs this process may use)",
     )
     p.add_argument(

@@ -61,6 +61,10 @@ MAX_UDP_PAYLOAD = 65507
 MAX_K = (MAX_UDP_PAYLOAD - HEADER_LEN) // 4  # 16369: largest K in one datagram
 DEFAULT_SW_K = 16368  # software aggregator default: ~64 KiB datagrams, one skb each on loopback
 DEFAULT_SW_SLOTS = 16  # slots (= packets in flight per worker) per job, software: the least by default
+# A GSO train (several packets in one send, steered whole by the kernel by its first packet) carries
+# slots of one class, slot mod STEER_CLASSES, and an aggregator thread owns whole classes: so every
+# packet of a slot reaches the same thread, in the order it was sent (docs/PROTOCOL.md, GSO).
+STEER_CLASSES = 8
 IPV4_UDP_HEADERS = 28  # an IPv4 header without options and a UDP header: what a datagram adds on the wire
 # Bytes in flight per worker the default window aims at: the bandwidth-delay product of a data-centre
 # link with room to spare (512 KiB is 4 ms at 1 Gbit/s), whatever K; what 8 packets of the default K carry.

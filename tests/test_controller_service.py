@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
 import re
@@ -50,6 +51,23 @@ def test_workers_join_allreduce_and_leave(controller: Controller) -> None:
         assert r["float_head"] == pytest.approx([n * (n + 1) / 4] * 4, abs=protocol.error_bound(n, 2))
     assert sum(bool(r["removed"]) for r in results) == 1  # the last to leave frees the slots
     assert "no jobs" in controller.ctl("jobs", *controller.client_args()).stdout
+
+
+def test_the_jobs_k_fits_the_smallest_mtu_its_workers_report(controller: Controller) -> None:
+    """Workers report their route's MTU at Join (issue 34: never fragment): the job's K is the most one
+    IP packet carries at the smallest, here 1500 against 9000 and an unknown (0), for every rank."""
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        joins = [
+            pool.submit(
+                jobclient.join, controller.address, SECRET, "mtus", 3, "127.0.0.1", 41000 + r, r, 30, mtu=m
+            )
+            for r, m in enumerate((9000, 1500, 0))
+        ]
+        assignments = [j.result(timeout=60) for j in joins]
+    assert {a.k for a in assignments} == {protocol.k_for_mtu(1500)}
+    assert protocol.packet_len(assignments[0].k) + protocol.IPV4_UDP_HEADERS <= 1500
+    for a in assignments:
+        jobclient.leave(controller.address, SECRET, a)
 
 
 def test_requested_ranks_are_honoured(controller: Controller) -> None:

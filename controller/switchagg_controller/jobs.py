@@ -72,6 +72,12 @@ class JobError(Exception):
         self.code = code
 
 
+def _job_k(plane_k: int, members: list[_Member]) -> int:
+    """The job's K: the plane's, or less where a worker's route has a smaller MTU (never fragment)."""
+    mtus = [m.mtu for m in members if m.mtu > 0]
+    return min(plane_k, protocol.k_for_mtu(min(mtus))) if mtus else plane_k
+
+
 @dataclass
 class _Member:
     ip: str
@@ -81,6 +87,7 @@ class _Member:
     shard_ips: tuple[str, ...] = ()  # and its IP per shard, where it has one per rail (): ip
     client: str = ""  # where its Join came from (Limits)
     token: str = ""  # its member token, once the job is placed (for the Join reply only)
+    mtu: int = 0  # the MTU of its route toward the service (0: unknown)
 
 
 @dataclass
@@ -195,12 +202,14 @@ class JobManager:
         shard_ports: tuple[int, ...] = (),
         shard_ips: tuple[str, ...] = (),
         client: str = "",
+        mtu: int = 0,
     ) -> Assignment:
         """Waits until the job is complete and installed. A caller cancelled while the others are
         still missing (the worker gave up) is dropped from the job. ``shards`` > 0: stripe the job
         across that many reducers, ``shard_ports`` this worker's port for each, ``shard_ips`` its
         address for each where it has one per rail (() : ``ip`` for all). ``client``: where the
-        call came from, for the quotas (``Limits``)."""
+        call came from, for the quotas (``Limits``). ``mtu``: the MTU of the worker's route (0:
+        unknown); the job's K is the most one IP packet carries at its workers' smallest."""
         self._check_join(name, world_size, ip, udp_port, rank, timeout)
         self._check_shards(udp_port, shards, shard_ports)
         self._check_shard_ips(ip, shards, shard_ips)
@@ -214,7 +223,7 @@ class JobManager:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"job {name!r} is striped across {pending.shards} reducers, not {shards}",
             )
-        member = _Member(ip, udp_port, rank, tuple(shard_ports), tuple(shard_ips), client)
+        member = _Member(ip, udp_port, rank, tuple(shard_ports), tuple(shard_ips), client, mtu=mtu)
         pending.members.append(member)
         if len(pending.members) == pending.world_size:
             del self._pending[name]
@@ -471,7 +480,7 @@ class JobManager:
                 n=pending.world_size,
                 slot_base=placement.slot_base,
                 slot_count=placement.slot_count,
-                k=plane.k,
+                k=_job_k(plane.k, pending.members),
                 generation=self.store.next_generation(),
                 workers=workers,
                 counter_index=self._free_counter_index(plane_name),

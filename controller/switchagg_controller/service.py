@@ -107,6 +107,7 @@ class JobService(jobs_pb2_grpc.JobServiceServicer):
                 tuple(request.shard_ports),
                 tuple(request.shard_ips),
                 client_of(context.peer()),
+                request.mtu,
             )
         except JobError as e:
             self._observe_join(start, e.code.name.lower())

@@ -91,6 +91,7 @@ def join(
     timeout: float = 60.0,
     shard_ports: tuple[int, ...] = (),
     shard_ips: tuple[str, ...] = (),
+    mtu: int = 0,
 ) -> Assignment:
     """Joins ``job_name``; blocks until all ``world_size`` workers joined or ``timeout`` passed.
 
@@ -99,7 +100,8 @@ def join(
     ``shard_ports``: to join a job striped across ``len(shard_ports)`` reducers, this worker's
     UDP port for each shard (the first is ``udp_port``); () for a job that is not striped.
     ``shard_ips``: a worker with one interface per rail, its address on each (the first is ``ip``);
-    (): ``ip`` for every shard."""
+    (): ``ip`` for every shard. ``mtu``: the MTU of this worker's route toward the service (0:
+    unknown); the job's K fits the smallest its workers report."""
     if rank is not None and not 0 <= rank < max(world_size, 1):
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (None asks for any free rank)")
     if not 0 < timeout < math.inf:
@@ -115,6 +117,7 @@ def join(
         shards=len(shard_ports),
         shard_ports=list(shard_ports),
         shard_ips=list(shard_ips),
+        mtu=mtu,
     )
     # The server enforces the join timeout and answers with a clear error; the RPC deadline
     # only has to outlast it.

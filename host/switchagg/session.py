@@ -298,7 +298,10 @@ class Session:
         ]
         ports = (port, *(w.address[1] for w in extra)) if shards > 0 else ()
         ips = (ip, *(str(w.address[0]) for w in extra)) if per_rail else ()
-        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank, join_timeout, ports, ips)
+        a = jobclient.join(
+            service, secret, job_name, world_size, ip, port, rank, join_timeout, ports, ips,
+            mtu=_service_mtu(ip, service),
+        )  # fmt: skip
         session = cls(
             a.job_id,
             a.rank,
@@ -499,6 +502,18 @@ def _shards_wanted(service: str, secret: str) -> int:
     from switchagg import jobclient
 
     return jobclient.describe(service, secret)
+
+
+def _service_mtu(ip: str, service: str) -> int:
+    """The MTU of the route from ``ip`` toward the job service's host (0: unknown, or a unix socket):
+    what the service sizes the job's K by."""
+    host, sep, port = service.rpartition(":")
+    if service.startswith("unix:") or not sep or not port.isdigit():
+        return 0
+    try:
+        return path_mtu(ip, (host.strip("[]"), int(port)))
+    except OSError:
+        return 0
 
 
 def _source_address(service: str) -> str:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14switchagg/jobs.proto\x12\x0cswitchagg.v1\"\xba\x01\n\x0bJoinRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\n\n\x02ip\x18\x04 \x01(\t\x12\x10\n\x08udp_port\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x01(\r\x12\x13\n\x0bshard_ports\x18\t \x03(\r\x12\x11\n\tshard_ips\x18\n \x03(\t\"\xab\x01\n\x0fShardAssignment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x15\n\raggregator_ip\x18\x03 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\x12\x12\n\nresult_key\x18\x07 \x01(\r\x12\x10\n\x08udp_port\x18\x08 \x01(\r\"\xa0\x02\n\tJoinReply\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x15\n\raggregator_ip\x18\x02 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x11\n\tslot_base\x18\x07 \x01(\r\x12\x12\n\nslot_count\x18\x08 \x01(\r\x12\t\n\x01k\x18\t \x01(\r\x12\x12\n\ngeneration\x18\n \x01(\r\x12\x12\n\nresult_key\x18\x0b \x01(\r\x12-\n\x06shards\x18\x0c \x03(\x0b\x32\x1d.switchagg.v1.ShardAssignment\x12\x14\n\x0cmember_token\x18\r \x01(\t\"R\n\x0cLeaveRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x14\n\x0cmember_token\x18\x04 \x01(\t\"!\n\nLeaveReply\x12\x13\n\x0bjob_removed\x18\x01 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x14\n\x0cmember_token\x18\x04 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\r\"\'\n\x0fListJobsRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\"F\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\x12\x0c\n\x04left\x18\x04 \x01(\x08\"\xf8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ndata_plane\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\x12\t\n\x01k\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\r\x12)\n\x07workers\x18\t \x03(\x0b\x32\x18.switchagg.v1.WorkerInfo\x12\r\n\x05state\x18\n \x01(\t\x12\'\n\x06shards\x18\x0b \x03(\x0b\x32\x17.switchagg.v1.ShardInfo\"\x7f\n\tShardInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x15\n\raggregator_ip\x18\x03 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\"4\n\rListJobsReply\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.switchagg.v1.JobInfo\"4\n\x0fTeardownRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\"\x1f\n\rTeardownReply\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\'\n\x0f\x43ountersRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\"i\n\x07\x43ounter\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\x12\x0f\n\x07packets\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"0\n\x0bUnavailable\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"h\n\rCountersReply\x12\'\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x15.switchagg.v1.Counter\x12.\n\x0bunavailable\x18\x02 \x03(\x0b\x32\x19.switchagg.v1.Unavailable\"!\n\x0f\x44\x65scribeRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"!\n\rDescribeReply\x12\x10\n\x08reducers\x18\x01 \x01(\r2\xf2\x03\n\nJobService\x12:\n\x04Join\x12\x19.switchagg.v1.JoinRequest\x1a\x17.switchagg.v1.JoinReply\x12=\n\x05Leave\x12\x1a.switchagg.v1.LeaveRequest\x1a\x18.switchagg.v1.LeaveReply\x12I\n\tHeartbeat\x12\x1e.switchagg.v1.HeartbeatRequest\x1a\x1c.switchagg.v1.HeartbeatReply\x12\x46\n\x08ListJobs\x12\x1d.switchagg.v1.ListJobsRequest\x1a\x1b.switchagg.v1.ListJobsReply\x12\x46\n\x08Teardown\x12\x1d.switchagg.v1.TeardownRequest\x1a\x1b.switchagg.v1.TeardownReply\x12\x46\n\x08\x43ounters\x12\x1d.switchagg.v1.CountersRequest\x1a\x1b.switchagg.v1.CountersReply\x12\x46\n\x08\x44\x65scribe\x12\x1d.switchagg.v1.DescribeRequest\x1a\x1b.switchagg.v1.DescribeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14switchagg/jobs.proto\x12\x0cswitchagg.v1\"\xc7\x01\n\x0bJoinRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\n\n\x02ip\x18\x04 \x01(\t\x12\x10\n\x08udp_port\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x01(\r\x12\x13\n\x0bshard_ports\x18\t \x03(\r\x12\x11\n\tshard_ips\x18\n \x03(\t\x12\x0b\n\x03mtu\x18\x0b \x01(\r\"\xab\x01\n\x0fShardAssignment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x15\n\raggregator_ip\x18\x03 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\x12\x12\n\nresult_key\x18\x07 \x01(\r\x12\x10\n\x08udp_port\x18\x08 \x01(\r\"\xa0\x02\n\tJoinReply\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x15\n\raggregator_ip\x18\x02 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x11\n\tslot_base\x18\x07 \x01(\r\x12\x12\n\nslot_count\x18\x08 \x01(\r\x12\t\n\x01k\x18\t \x01(\r\x12\x12\n\ngeneration\x18\n \x01(\r\x12\x12\n\nresult_key\x18\x0b \x01(\r\x12-\n\x06shards\x18\x0c \x03(\x0b\x32\x1d.switchagg.v1.ShardAssignment\x12\x14\n\x0cmember_token\x18\r \x01(\t\"R\n\x0cLeaveRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x14\n\x0cmember_token\x18\x04 \x01(\t\"!\n\nLeaveReply\x12\x13\n\x0bjob_removed\x18\x01 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x14\n\x0cmember_token\x18\x04 \x01(\t\"$\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\r\"\'\n\x0fListJobsRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\"F\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\x12\x0c\n\x04left\x18\x04 \x01(\x08\"\xf8\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ndata_plane\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\x12\t\n\x01k\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\r\x12)\n\x07workers\x18\t \x03(\x0b\x32\x18.switchagg.v1.WorkerInfo\x12\r\n\x05state\x18\n \x01(\t\x12\'\n\x06shards\x18\x0b \x03(\x0b\x32\x17.switchagg.v1.ShardInfo\"\x7f\n\tShardInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x15\n\raggregator_ip\x18\x03 \x01(\t\x12\x17\n\x0f\x61ggregator_port\x18\x04 \x01(\r\x12\x11\n\tslot_base\x18\x05 \x01(\r\x12\x12\n\nslot_count\x18\x06 \x01(\r\"4\n\rListJobsReply\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.switchagg.v1.JobInfo\"4\n\x0fTeardownRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\"\x1f\n\rTeardownReply\x12\x0e\n\x06job_id\x18\x01 \x01(\r\"\'\n\x0f\x43ountersRequest\x12\x14\n\x0c\x61\x64min_secret\x18\x01 \x01(\t\"i\n\x07\x43ounter\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\x12\x0f\n\x07packets\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"0\n\x0bUnavailable\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"h\n\rCountersReply\x12\'\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x15.switchagg.v1.Counter\x12.\n\x0bunavailable\x18\x02 \x03(\x0b\x32\x19.switchagg.v1.Unavailable\"!\n\x0f\x44\x65scribeRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"!\n\rDescribeReply\x12\x10\n\x08reducers\x18\x01 \x01(\r2\xf2\x03\n\nJobService\x12:\n\x04Join\x12\x19.switchagg.v1.JoinRequest\x1a\x17.switchagg.v1.JoinReply\x12=\n\x05Leave\x12\x1a.switchagg.v1.LeaveRequest\x1a\x18.switchagg.v1.LeaveReply\x12I\n\tHeartbeat\x12\x1e.switchagg.v1.HeartbeatRequest\x1a\x1c.switchagg.v1.HeartbeatReply\x12\x46\n\x08ListJobs\x12\x1d.switchagg.v1.ListJobsRequest\x1a\x1b.switchagg.v1.ListJobsReply\x12\x46\n\x08Teardown\x12\x1d.switchagg.v1.TeardownRequest\x1a\x1b.switchagg.v1.TeardownReply\x12\x46\n\x08\x43ounters\x12\x1d.switchagg.v1.CountersRequest\x1a\x1b.switchagg.v1.CountersReply\x12\x46\n\x08\x44\x65scribe\x12\x1d.switchagg.v1.DescribeRequest\x1a\x1b.switchagg.v1.DescribeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,45 +32,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'switchagg.jobs_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST']._serialized_start=39
-  _globals['_JOINREQUEST']._serialized_end=225
-  _globals['_SHARDASSIGNMENT']._serialized_start=228
-  _globals['_SHARDASSIGNMENT']._serialized_end=399
-  _globals['_JOINREPLY']._serialized_start=402
-  _globals['_JOINREPLY']._serialized_end=690
-  _globals['_LEAVEREQUEST']._serialized_start=692
-  _globals['_LEAVEREQUEST']._serialized_end=774
-  _globals['_LEAVEREPLY']._serialized_start=776
-  _globals['_LEAVEREPLY']._serialized_end=809
-  _globals['_HEARTBEATREQUEST']._serialized_start=811
-  _globals['_HEARTBEATREQUEST']._serialized_end=897
-  _globals['_HEARTBEATREPLY']._serialized_start=899
-  _globals['_HEARTBEATREPLY']._serialized_end=935
-  _globals['_LISTJOBSREQUEST']._serialized_start=937
-  _globals['_LISTJOBSREQUEST']._serialized_end=976
-  _globals['_WORKERINFO']._serialized_start=978
-  _globals['_WORKERINFO']._serialized_end=1048
-  _globals['_JOBINFO']._serialized_start=1051
-  _globals['_JOBINFO']._serialized_end=1299
-  _globals['_SHARDINFO']._serialized_start=1301
-  _globals['_SHARDINFO']._serialized_end=1428
-  _globals['_LISTJOBSREPLY']._serialized_start=1430
-  _globals['_LISTJOBSREPLY']._serialized_end=1482
-  _globals['_TEARDOWNREQUEST']._serialized_start=1484
-  _globals['_TEARDOWNREQUEST']._serialized_end=1536
-  _globals['_TEARDOWNREPLY']._serialized_start=1538
-  _globals['_TEARDOWNREPLY']._serialized_end=1569
-  _globals['_COUNTERSREQUEST']._serialized_start=1571
-  _globals['_COUNTERSREQUEST']._serialized_end=1610
-  _globals['_COUNTER']._serialized_start=1612
-  _globals['_COUNTER']._serialized_end=1717
-  _globals['_UNAVAILABLE']._serialized_start=1719
-  _globals['_UNAVAILABLE']._serialized_end=1767
-  _globals['_COUNTERSREPLY']._serialized_start=1769
-  _globals['_COUNTERSREPLY']._serialized_end=1873
-  _globals['_DESCRIBEREQUEST']._serialized_start=1875
-  _globals['_DESCRIBEREQUEST']._serialized_end=1908
-  _globals['_DESCRIBEREPLY']._serialized_start=1910
-  _globals['_DESCRIBEREPLY']._serialized_end=1943
-  _globals['_JOBSERVICE']._serialized_start=1946
-  _globals['_JOBSERVICE']._serialized_end=2444
+  _globals['_JOINREQUEST']._serialized_end=238
+  _globals['_SHARDASSIGNMENT']._serialized_start=241
+  _globals['_SHARDASSIGNMENT']._serialized_end=412
+  _globals['_JOINREPLY']._serialized_start=415
+  _globals['_JOINREPLY']._serialized_end=703
+  _globals['_LEAVEREQUEST']._serialized_start=705
+  _globals['_LEAVEREQUEST']._serialized_end=787
+  _globals['_LEAVEREPLY']._serialized_start=789
+  _globals['_LEAVEREPLY']._serialized_end=822
+  _globals['_HEARTBEATREQUEST']._serialized_start=824
+  _globals['_HEARTBEATREQUEST']._serialized_end=910
+  _globals['_HEARTBEATREPLY']._serialized_start=912
+  _globals['_HEARTBEATREPLY']._serialized_end=948
+  _globals['_LISTJOBSREQUEST']._serialized_start=950
+  _globals['_LISTJOBSREQUEST']._serialized_end=989
+  _globals['_WORKERINFO']._serialized_start=991
+  _globals['_WORKERINFO']._serialized_end=1061
+  _globals['_JOBINFO']._serialized_start=1064
+  _globals['_JOBINFO']._serialized_end=1312
+  _globals['_SHARDINFO']._serialized_start=1314
+  _globals['_SHARDINFO']._serialized_end=1441
+  _globals['_LISTJOBSREPLY']._serialized_start=1443
+  _globals['_LISTJOBSREPLY']._serialized_end=1495
+  _globals['_TEARDOWNREQUEST']._serialized_start=1497
+  _globals['_TEARDOWNREQUEST']._serialized_end=1549
+  _globals['_TEARDOWNREPLY']._serialized_start=1551
+  _globals['_TEARDOWNREPLY']._serialized_end=1582
+  _globals['_COUNTERSREQUEST']._serialized_start=1584
+  _globals['_COUNTERSREQUEST']._serialized_end=1623
+  _globals['_COUNTER']._serialized_start=1625
+  _globals['_COUNTER']._serialized_end=1730
+  _globals['_UNAVAILABLE']._serialized_start=1732
+  _globals['_UNAVAILABLE']._serialized_end=1780
+  _globals['_COUNTERSREPLY']._serialized_start=1782
+  _globals['_COUNTERSREPLY']._serialized_end=1886
+  _globals['_DESCRIBEREQUEST']._serialized_start=1888
+  _globals['_DESCRIBEREQUEST']._serialized_end=1921
+  _globals['_DESCRIBEREPLY']._serialized_start=1923
+  _globals['_DESCRIBEREPLY']._serialized_end=1956
+  _globals['_JOBSERVICE']._serialized_start=1959
+  _globals['_JOBSERVICE']._serialized_end=2457
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("secret", "job_name", "world_size", "ip", "udp_port", "rank", "timeout_s", "shards", "shard_ports", "shard_ips")
+    __slots__ = ("secret", "job_name", "world_size", "ip", "udp_port", "rank", "timeout_s", "shards", "shard_ports", "shard_ips", "mtu")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class JoinRequest(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_PORTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_IPS_FIELD_NUMBER: _ClassVar[int]
+    MTU_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_name: str
     world_size: int
@@ -28,7 +29,8 @@ class JoinRequest(_message.Message):
     shards: int
     shard_ports: _containers.RepeatedScalarFieldContainer[int]
     shard_ips: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, secret: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., shards: _Optional[int] = ..., shard_ports: _Optional[_Iterable[int]] = ..., shard_ips: _Optional[_Iterable[str]] = ...) -> None: ...
+    mtu: int
+    def __init__(self, secret: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ..., rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., shards: _Optional[int] = ..., shard_ports: _Optional[_Iterable[int]] = ..., shard_ips: _Optional[_Iterable[str]] = ..., mtu: _Optional[int] = ...) -> None: ...
 
 class ShardAssignment(_message.Message):
     __slots__ = ("index", "node", "aggregator_ip", "aggregator_port", "slot_base", "slot_count", "result_key", "udp_port")

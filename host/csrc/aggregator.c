@@ -147,11 +147,6 @@ static void send_each(struct sa_agg_thread *t, const size_t *idx, size_t count) 
     }
 }
 
-/* The queued results regrouped by destination (a worker's results keep their order: it is the order
- * RACK relies on; across workers order does not matter), each group of one size sent as one UDP
- * GSO datagram train: a sendmsg per worker and batch instead of one per result. Where the kernel
- * refuses (EIO: no checksum offload; EINVAL: a segment above the device's MTU), GSO is off for
- * this thread and the rest goes one datagram each. */
 /* The thread that owns a slot: its steering class's (protocol.h, SA_STEER_CLASSES), so a GSO train of
  * one class is one thread's whole. */
 static inline uint32_t slot_owner(const struct sa_agg *a, uint32_t slot) {
@@ -165,6 +160,11 @@ static inline int same_train(const struct out_msg *a, const struct out_msg *b) {
                (ntohs(b->head.pool) & SA_POOL_SLOT_MASK) % SA_STEER_CLASSES;
 }
 
+/* The queued results regrouped by destination (a worker's results keep their order: it is the order
+ * RACK relies on; across workers order does not matter), each group of one size sent as one UDP
+ * GSO datagram train: a sendmsg per worker and batch instead of one per result. Where the kernel
+ * refuses (EIO: no checksum offload; EINVAL: a segment above the device's MTU), GSO is off for
+ * this thread and the rest goes one datagram each. */
 static void flush_gso(struct sa_agg_thread *t) {
     size_t m = t->n_out, nmsg = 0, nidx = 0, niov = 0;
     uint8_t taken[SA_OUT_MSGS] = {0};
@@ -238,32 +238,8 @@ static void flush_out(struct sa_agg_thread *t) {
         t->n_out = 0;
         return;
     }
-    for (size_t i = 0; i < m; i++) {
-        struct out_msg *o = &t->out[i];
-        t->tx_iov[i][0].iov_base = &o->head;
-        t->tx_iov[i][0].iov_len = sizeof o->head;
-        t->tx_iov[i][1].iov_base = (void *)o->payload;
-        t->tx_iov[i][1].iov_len = o->payload_len;
-        memset(&t->tx_msgs[i], 0, sizeof t->tx_msgs[i]);
-        t->tx_msgs[i].msg_hdr.msg_name = &o->dst;
-        t->tx_msgs[i].msg_hdr.msg_namelen = sizeof o->dst;
-        t->tx_msgs[i].msg_hdr.msg_iov = t->tx_iov[i];
-        t->tx_msgs[i].msg_hdr.msg_iovlen = 2;
-    }
-    size_t done = 0;
-    /* Bounded: every iteration either sends >= 1 datagram or skips one that failed. */
-    while (done < m) {
-        int r = sendmmsg(t->fd, &t->tx_msgs[done], (unsigned)(m - done), 0);
-        if (r > 0) {
-            t->tx += (uint64_t)r;
-            for (int i = 0; i < r; i++) t->tx_bytes += t->tx_msgs[done + (size_t)i].msg_len;
-            done += (size_t)r;
-        } else if (r < 0 && errno == EINTR) {
-            continue;
-        } else {
-            done++; /* e.g. ECONNREFUSED from an earlier ICMP error: UDP loses this one */
-        }
-    }
+    for (size_t i = 0; i < m; i++) t->tx_idx[i] = i;
+    send_each(t, t->tx_idx, m);
     t->n_out = 0;
 }
 

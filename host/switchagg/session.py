@@ -298,10 +298,8 @@ class Session:
         ]
         ports = (port, *(w.address[1] for w in extra)) if shards > 0 else ()
         ips = (ip, *(str(w.address[0]) for w in extra)) if per_rail else ()
-        a = jobclient.join(
-            service, secret, job_name, world_size, ip, port, rank, join_timeout, ports, ips,
-            mtu=_service_mtu(ip, service),
-        )  # fmt: skip
+        a = jobclient.join(service, secret, job_name, world_size, ip, port, rank, join_timeout, ports, ips,
+                           mtu=_service_mtu(ip, service))  # fmt: skip
         session = cls(
             a.job_id,
             a.rank,

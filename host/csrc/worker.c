@@ -892,7 +892,7 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
     run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0};
     w->busy = 1;
     r.number = ++w->call;
-    r.call = w->wire_call = sa_call_identity(r.number, tag);
+    r.call = sa_call_identity(r.number, tag);
     int rc = run_call(&r, abort);
     w->busy = 0;
     int err = errno;

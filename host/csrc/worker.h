@@ -33,7 +33,6 @@ struct sa_worker {
     uint16_t job, rank;
     uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
     uint32_t call; /* the call sequence number of the latest call (the next one is call + 1) */
-    uint32_t wire_call; /* the latest call's identity on the wire (sa_call_identity) */
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */

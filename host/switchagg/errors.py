@@ -21,6 +21,13 @@ from switchagg._core import (
     SwitchaggTimeout,
 )
 
+
+def cause_of(error: BaseException) -> type[SwitchaggError]:
+    """The class a call cancelled because ``error`` ended another (a lane's, a shard's) raises: the
+    error's own, if a switchagg error, so a mismatch on one is a mismatch on all."""
+    return type(error) if isinstance(error, SwitchaggError) else SwitchaggError
+
+
 __all__ = [
     "SwitchaggAborted",
     "SwitchaggError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import warnings
 
@@ -16,6 +17,11 @@ def new_key() -> int:
         key = secrets.randbits(32)
         if key:
             return key
+
+
+def digest32(text: str) -> int:
+    """A non-zero 32-bit digest of ``text`` (blake2s): the keys derived for shards, the tags of calls."""
+    return int.from_bytes(hashlib.blake2s(text.encode(), digest_size=4).digest(), "big") or 1
 
 
 def warn_unkeyed(what: str, stacklevel: int = 3) -> None:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from switchagg.errors import SwitchaggAborted, SwitchaggError
+from switchagg.errors import SwitchaggAborted, SwitchaggError, cause_of
 from switchagg.session import Session
 
 # Lanes a group may have ($SWITCHAGG_LANES is checked against it).
@@ -26,11 +26,6 @@ MAX_LANES = 16
 # Slots a lane needs at least (a slot's next round waits for its previous result: one slot would
 # leave nothing in flight while a result travels back).
 MIN_LANE_SLOTS = 2
-
-
-def _cause_of(error: BaseException) -> type[SwitchaggError]:
-    """The class the other lanes' calls raise when ``error`` ended one: its own, if a switchagg error."""
-    return type(error) if isinstance(error, SwitchaggError) else SwitchaggError
 
 
 def lane_slots(window: int, lanes: int) -> int:
@@ -92,7 +87,7 @@ class Lanes:
             return
         error = done.exception()
         if error is not None:
-            self._fail(lane, f"{type(error).__name__}: {error}", _cause_of(error))
+            self._fail(lane, f"{type(error).__name__}: {error}", cause_of(error))
 
     def _fail(self, lane: int, what: str, cause: type[SwitchaggError]) -> None:
         """Every other lane ends its call in progress and refuses later ones (the peers do the same when

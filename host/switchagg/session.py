@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import socket
 import threading
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from switchagg import _core, protocol
-from switchagg.keys import UNKEYED, warn_unkeyed
+from switchagg.keys import UNKEYED, digest32, warn_unkeyed
 from switchagg.striping import Shard, Stripes, shard_bounds
 
 _METRICS_PORT_ENV = "SWITCHAGG_METRICS_PORT"
@@ -486,8 +485,7 @@ class Session:
 
 def _stripe_tag(tag: int, length: int, kind: str) -> int:
     """The tag every shard of a striped call carries: the caller's, and the whole call's length and kind."""
-    digest = hashlib.blake2s(f"{tag}:{length}:{kind}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") or 1
+    return digest32(f"{tag}:{length}:{kind}")
 
 
 def _shards_wanted(service: str, secret: str) -> int:

@@ -10,12 +10,13 @@ fails the whole call, on every rank, when any shard fails, naming the shard.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from switchagg import _core
+from switchagg.errors import cause_of
+from switchagg.keys import digest32
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ def shard_key(key: int, index: int) -> int:
     non-zero 32-bit hash of it (0 stays 0: an unkeyed job)."""
     if key == 0 or index == 0:
         return key
-    digest = hashlib.blake2s(f"{key}:{index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") or 1
+    return digest32(f"{key}:{index}")
 
 
 class ShardFailure(Exception):
@@ -98,10 +98,9 @@ class Stripes:
                     failures.append((s, e, bool(failures)))
                     if len(failures) > 1:
                         return
-                cause = type(e) if isinstance(e, _core.SwitchaggError) else _core.SwitchaggError
                 for other, w in enumerate(self.workers):
                     if other != s:
-                        w.cancel(f"shard {s} of this call failed ({self.names[s]})", cause)
+                        w.cancel(f"shard {s} of this call failed ({self.names[s]})", cause_of(e))
 
         futures = [self._pool.submit(one, s) for s in range(1, len(self.workers))]
         one(0)

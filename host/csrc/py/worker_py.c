@@ -143,13 +143,6 @@ static PyObject *worker_cancel(Worker *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* call_identity(seq, tag): what a call numbered seq with this tag carries on the wire (for tests and tools). */
-static PyObject *worker_call_identity(PyObject *unused, PyObject *args) {
-    unsigned int seq, tag;
-    if (!PyArg_ParseTuple(args, "II", &seq, &tag)) return NULL;
-    return PyLong_FromUnsignedLong(sa_call_identity(seq, tag));
-}
-
 static PyObject *worker_close(Worker *self, PyObject *unused) {
     if (self->w.busy) return PyErr_Format(SwitchaggError, "an allreduce is running on this worker");
     sa_worker_close(&self->w);
@@ -192,8 +185,6 @@ static PyMethodDef worker_methods[] = {
     {"cancel", (PyCFunction)worker_cancel, METH_VARARGS,
      "cancel(reason, cause=SwitchaggError): from any thread, end the call in progress (raising cause with the "
      "reason) and refuse later ones."},
-    {"call_identity", (PyCFunction)worker_call_identity, METH_VARARGS | METH_STATIC,
-     "call_identity(seq, tag): the wire identity of call number seq made with tag."},
     {"close", (PyCFunction)worker_close, METH_NOARGS, "Close the socket."},
     {NULL, NULL, 0, NULL},
 };

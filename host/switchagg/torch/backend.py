@@ -164,7 +164,7 @@ class Network:
         how = f"AVG: SUM in the network, then / {divide_by} on each rank" if average else "SUM"
         self.calls.record(op, NETWORK, tensors[0], how=how)
         # Numbered and described even when empty, so that every rank's numbers stay in step.
-        _, description = self.identity.next("AVG" if average else "SUM", tensors)
+        description = self.identity.next("AVG" if average else "SUM", tensors)
         if sum(t.numel() for t in tensors) == 0:
             done(None)
             return True

@@ -155,11 +155,11 @@ def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.
         else f"AVG: SUM in the network, then / {n}"
     )
     state.calls.record("allreduce", NETWORK, tensor, how=how)
-    _, description = state.identity.next("AVG", [tensor])  # the hook averages, as torch's default hook
+    description = state.identity.next("AVG", [tensor])  # the hook averages, as torch's default hook
     devices: list[int | str | torch.device] | None = [tensor.device] if tensor.device.type == "cuda" else None
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     pending: concurrent.futures.Future[None]
-    if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
+    if cpu_float:
         # Divide first, as the default hook does, so results match it to the quantization bound.
         tensor.div_(state.world_size)
         pending = state.plane.lanes.allreduce_async(tensor, tag=identity.tag(description, 0, 1))

@@ -14,7 +14,6 @@ and the error names the first call whose descriptions differ, per rank.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from switchagg.errors import SwitchaggMismatch
+from switchagg.keys import digest32
 
 KEY = "switchagg/mismatch/"
 # Calls remembered for the explanation: the failed one is among the last few on every rank (a rank
@@ -43,36 +43,35 @@ def describe(op: str, tensors: list[torch.Tensor]) -> str:
 
 def tag(description: str, chunk: int, chunks: int) -> int:
     """The wire tag of chunk ``chunk`` of ``chunks`` of a call: a non-zero 32-bit digest."""
-    digest = hashlib.blake2s(f"{description}|{chunk}/{chunks}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") or 1
+    return digest32(f"{description}|{chunk}/{chunks}")
 
 
 class CallIdentity:
     """Numbers one group's network calls on this rank and explains a mismatch in the user's terms."""
 
-    def __init__(self, store: dist.Store | None, rank: int, size: int, group: str) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, group: str) -> None:
         self.store, self.rank, self.size, self.group = store, rank, size, group
         self._lock = threading.Lock()
         self._index = 0
         self._recent: OrderedDict[int, str] = OrderedDict()
         self._explained: BaseException | None = None
 
-    def next(self, op: str, tensors: list[torch.Tensor]) -> tuple[int, str]:
-        """The next call's number in this group (1, 2, ...) and its description. Calls are issued in the
-        same order on every rank (as c10d requires), so equal numbers name the same user call."""
+    def next(self, op: str, tensors: list[torch.Tensor]) -> str:
+        """The next call's description, remembered under its number in this group (1, 2, ...). Calls are
+        issued in the same order on every rank (as c10d requires), so equal numbers name the same call."""
         description = describe(op, tensors)
         with self._lock:
             self._index += 1
             self._recent[self._index] = description
             while len(self._recent) > HISTORY:
                 self._recent.popitem(last=False)
-            return self._index, description
+        return description
 
     def explain(self, error: BaseException) -> BaseException:
         """``error`` as the user should see it: a mismatch restated as which call differed how, per rank
         (the same words on every rank). Only the group's first failure is explained; later ones (a
         session fails every call after its first failure) get the same explanation."""
-        if not isinstance(error, SwitchaggMismatch) or self.store is None:
+        if not isinstance(error, SwitchaggMismatch):
             return error
         with self._lock:
             if self._explained is None:
@@ -81,7 +80,6 @@ class CallIdentity:
         return type(first)(str(first))
 
     def _compare(self, error: BaseException) -> str:
-        assert self.store is not None
         mine = dict(self._recent)
         try:
             self.store.set(f"{KEY}{self.rank}", json.dumps(mine))
@@ -110,7 +108,6 @@ class CallIdentity:
 
     def _gather(self, prefix: str, deadline: float, wanted: set[int] | None = None) -> dict[int, str]:
         """Each rank's value under ``prefix`` (of ``wanted``, default all) that exists by ``deadline``."""
-        assert self.store is not None
         ranks = sorted(wanted if wanted is not None else range(self.size))
         keys = {r: f"{prefix}{r}" for r in ranks}
         present: list[int] = []

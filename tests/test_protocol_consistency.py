@@ -46,6 +46,10 @@ def test_c_constants_match_protocol_py() -> None:
         "MAX_K",
         "IPV4_UDP_HEADERS",
         "STEER_CLASSES",
+        "FLAG_LANE16",
+        "FLAG_LANE8",
+        "SCALE_BLOCK",
+        "SCALE_BIAS",
     ):
         assert c[name] == getattr(protocol, name), name
     assert c["DROP_NREASONS"] == len(protocol.DROP_REASONS)

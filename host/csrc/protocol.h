@@ -13,7 +13,10 @@
 #define SA_FLAG_FLOAT 0x02
 #define SA_FLAG_ABORT 0x04
 #define SA_FLAG_MISMATCH 0x08
-#define SA_IDENTITY_FLAGS (SA_FLAG_PRIME | SA_FLAG_FLOAT)
+#define SA_FLAG_LANE16 0x10 /* bits 4-5: the payload's lane width (docs/PROTOCOL.md, Narrow lanes) */
+#define SA_FLAG_LANE8 0x20
+#define SA_LANE_FLAGS (SA_FLAG_LANE16 | SA_FLAG_LANE8)
+#define SA_IDENTITY_FLAGS (SA_FLAG_PRIME | SA_FLAG_FLOAT | SA_LANE_FLAGS)
 #define SA_POISON_FLAGS (SA_FLAG_ABORT | SA_FLAG_MISMATCH)
 #define SA_MISMATCH_INFO_LEN 4
 #define SA_POOL_SET_BIT 0x8000
@@ -21,6 +24,8 @@
 #define SA_EXP_NONE (-128)
 #define SA_EXP_TOP 126
 #define SA_EXP_NONFINITE 127
+#define SA_SCALE_BLOCK 32 /* narrow lanes: values per scale byte */
+#define SA_SCALE_BIAS 128 /* scale byte = exponent + 128: 0 an all-zero block, 255 non-finite */
 #define SA_HEADER_LEN 28
 #define SA_MAX_WORKERS 32
 #define SA_P4_K 64
@@ -32,6 +37,32 @@
  * train whole by its first packet, so every packet of a slot always reaches the same thread, in order. */
 #define SA_STEER_CLASSES 8
 #define SA_IPV4_UDP_HEADERS 28 /* IPv4 (no options) + UDP: a datagram of L bytes is an IP packet of L + 28 */
+
+/* The lane width (32, 16, 8) of a packet's flags; 0 for the invalid LANES value 3. */
+static inline int sa_lane_bits(uint8_t flags) {
+    static const int bits[4] = {32, 16, 8, 0};
+    return bits[(flags & SA_LANE_FLAGS) >> 4];
+}
+
+/* Values in a packet of k words with lanes of `bits` (protocol.lanes_per_packet): k for 32-bit lanes,
+ * else the most V whose lanes and scale words (one scale byte per SA_SCALE_BLOCK values) fit k words. */
+static inline uint32_t sa_lanes_per_packet(uint32_t k, int bits) {
+    if (bits == 32) return k;
+    uint32_t per_word = 32u / (uint32_t)bits, best = 0;
+    for (uint32_t x = 1; x < k; x++) {
+        uint32_t lanes = per_word * (k - x), scaled = 4u * SA_SCALE_BLOCK * x;
+        uint32_t v = lanes < scaled ? lanes : scaled;
+        if (v > best) best = v;
+    }
+    return best;
+}
+
+/* Words of scale bytes that lead a narrow payload of k words (protocol.scale_words); 0 for 32 bits. */
+static inline uint32_t sa_scale_words(uint32_t k, int bits) {
+    if (bits == 32) return 0;
+    uint32_t blocks = (sa_lanes_per_packet(k, bits) + SA_SCALE_BLOCK - 1) / SA_SCALE_BLOCK;
+    return (blocks + 3) / 4;
+}
 
 /* Drop reasons, in the order of protocol.DROP_REASONS. */
 enum sa_drop {

@@ -21,9 +21,24 @@ FLAG_PRIME = 0x01  # payload is zero; the packet only carries an exponent ahead
 FLAG_FLOAT = 0x02  # the payload is quantized float32 (clear: int32); part of the call's identity
 FLAG_ABORT = 0x04  # DATA: the sender abandons this call; RESULT: a contribution to the round did
 FLAG_MISMATCH = 0x08  # RESULT: the round's contributions differ in call identity (payload: who)
-FLAG_NAMES = {FLAG_PRIME: "PRIME", FLAG_FLOAT: "FLOAT", FLAG_ABORT: "ABORT", FLAG_MISMATCH: "MISMATCH"}
+# Bits 4-5: the lane width of the payload's values (docs/PROTOCOL.md, Narrow lanes): 0 = 32-bit lanes,
+# FLAG_LANE16 = 16-bit, FLAG_LANE8 = 8-bit; both bits set is no width (dropped as bad_type).
+FLAG_LANE16 = 0x10
+FLAG_LANE8 = 0x20
+LANE_FLAGS = FLAG_LANE16 | FLAG_LANE8
+FLAG_NAMES = {
+    FLAG_PRIME: "PRIME",
+    FLAG_FLOAT: "FLOAT",
+    FLAG_ABORT: "ABORT",
+    FLAG_MISMATCH: "MISMATCH",
+    FLAG_LANE16: "LANE16",
+    FLAG_LANE8: "LANE8",
+}
+LANE_BITS = {0: 32, FLAG_LANE16: 16, FLAG_LANE8: 8}  # lane flags -> width
+LANE_FLAG = {bits: flag for flag, bits in LANE_BITS.items()}  # width -> lane flags
+WIRE_BITS = (32, 16, 8)
 # A contribution's identity, compared within a slot round: (call, total, offset, flags & IDENTITY_FLAGS).
-IDENTITY_FLAGS = FLAG_PRIME | FLAG_FLOAT
+IDENTITY_FLAGS = FLAG_PRIME | FLAG_FLOAT | LANE_FLAGS
 # A round that got a contribution with one of these, or contributions of different identity, is
 # poisoned: its RESULT carries them and no sum (docs/PROTOCOL.md, Call identity).
 POISON_FLAGS = FLAG_ABORT | FLAG_MISMATCH
@@ -36,6 +51,10 @@ POOL_SLOT_MASK = 0x7FFF  # low 15 bits: absolute slot index
 EXP_NONE = -128  # "no exponent": the block is all zero or no block follows
 EXP_TOP = 126  # the largest finite exponent field: it stands for E = 128 (blocks above 2^125)
 EXP_NONFINITE = 127  # the block holds NaN or +-Inf on some rank; the max over ranks keeps it
+# Narrow lanes: values share one scale byte per block of SCALE_BLOCK values; the byte is the block's
+# exponent + SCALE_BIAS (0: an all-zero block, 255: non-finite), so the max over ranks is an unsigned max.
+SCALE_BLOCK = 32
+SCALE_BIAS = 128
 
 HEADER_FORMAT = "!BBBbHHHHIIII"
 HEADER_FIELDS = (
@@ -180,6 +199,44 @@ def window_slots(k: int) -> int:
     """Default slots (packets in flight) for packets of K values: WINDOW_BYTES' worth, at least
     DEFAULT_SW_SLOTS: 16 at the default K, 59 at K = 2236 (MTU 9000), 357 at K = 361 (MTU 1500)."""
     return max(DEFAULT_SW_SLOTS, -(-WINDOW_BYTES // packet_len(k)))
+
+
+def lanes_per_packet(k: int, bits: int = 32) -> int:
+    """Values in a packet of K 32-bit words with lanes of ``bits``: K for 32-bit lanes; for narrow lanes
+    the most V whose lanes and scale bytes (one per SCALE_BLOCK values, whole words) fit K words:
+    126 (16-bit) and 248 (8-bit) at the P4 switch's K = 64, 710 and 1400 at K = 361 (MTU 1500)."""
+    if bits == 32:
+        return k
+    if bits not in WIRE_BITS:
+        raise ValueError(f"lanes are 32, 16 or 8 bits wide, not {bits}")
+    per_word = 32 // bits
+    best = 0
+    for scale_words in range(1, k):  # V(X) = min(lanes in K - X words, values that X words have scales for)
+        best = max(best, min(per_word * (k - scale_words), 4 * SCALE_BLOCK * scale_words))
+    return best
+
+
+def scale_words(k: int, bits: int) -> int:
+    """Words of scale bytes that lead a narrow-lane payload of K words (0 for 32-bit lanes)."""
+    if bits == 32:
+        return 0
+    blocks = -(-lanes_per_packet(k, bits) // SCALE_BLOCK)
+    return -(-blocks // 4)
+
+
+def lane_limit(n: int, bits: int) -> int:
+    """M: the largest magnitude one of n contributions may have in a lane of ``bits``, so their sum fits."""
+    return (2 ** (bits - 1) - 1) // n
+
+
+def lane_error_bound(n: int, e_max: int, bits: int) -> float:
+    """Documented bound on |result - exact sum| for one element summed in lanes of ``bits`` (docs/PROTOCOL.md,
+    Narrow lanes): n steps of 2^E / M (stochastic rounding moves each value by less than a step), plus the
+    float32 arithmetic's n * 2^(E-22); for 32-bit lanes, error_bound."""
+    if bits == 32:
+        return error_bound(n, e_max)
+    e = exponent_value(e_max)
+    return n * 2.0**e / lane_limit(n, bits) + n * 2.0 ** (e - 22)
 
 
 def exponent_value(e_field: int) -> int:

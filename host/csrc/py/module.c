@@ -4,7 +4,7 @@
 static PyObject *constants(PyObject *self, PyObject *unused) {
     /* Exposed so that tests can compare the C constants with protocol.py. */
     return Py_BuildValue(
-        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
         "VERSION", SA_VERSION, "UDP_PORT", SA_UDP_PORT, "MSG_DATA", SA_MSG_DATA, "MSG_RESULT", SA_MSG_RESULT,
         "FLAG_PRIME", SA_FLAG_PRIME, "FLAG_FLOAT", SA_FLAG_FLOAT, "FLAG_ABORT", SA_FLAG_ABORT,
         "FLAG_MISMATCH", SA_FLAG_MISMATCH, "EXP_TOP", SA_EXP_TOP, "EXP_NONFINITE", SA_EXP_NONFINITE, "POOL_SET_BIT", SA_POOL_SET_BIT, "POOL_SLOT_MASK", SA_POOL_SLOT_MASK,
@@ -12,6 +12,8 @@ static PyObject *constants(PyObject *self, PyObject *unused) {
         "P4_NUM_SLOTS", SA_P4_NUM_SLOTS, "MAX_UDP_PAYLOAD", SA_MAX_UDP_PAYLOAD, "MAX_K", SA_MAX_K,
         "IPV4_UDP_HEADERS", SA_IPV4_UDP_HEADERS,
         "STEER_CLASSES", SA_STEER_CLASSES,
+        "FLAG_LANE16", SA_FLAG_LANE16, "FLAG_LANE8", SA_FLAG_LANE8, "SCALE_BLOCK", SA_SCALE_BLOCK,
+        "SCALE_BIAS", SA_SCALE_BIAS,
         "DROP_NREASONS", SA_DROP_NREASONS);
 }
 

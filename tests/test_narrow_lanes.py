@@ -12,6 +12,7 @@ import pytest
 from switchagg import Session, SwitchaggError, SwitchaggMismatch, protocol
 from switchagg.aggregator import SoftwareAggregator
 from switchagg.striping import Shard, shard_key
+from switchagg_lab.testing.checks import float_bound
 from switchagg_lab.testing.kit import local_sessions, on_every_rank
 
 N = 3
@@ -35,20 +36,7 @@ def _inputs(n: int, length: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _bounds(xs: list[np.ndarray], k: int, bits: int) -> np.ndarray:
-    """protocol.lane_error_bound per element: blocks of SCALE_BLOCK inside each packet of lanes_per_packet."""
-    n, length = len(xs), xs[0].size
-    per_packet = protocol.lanes_per_packet(k, bits)
-    block = protocol.SCALE_BLOCK if bits != 32 else per_packet
-    bound = np.empty(length)
-    for start in range(0, length, per_packet):
-        for lo in range(start, min(length, start + per_packet), block):
-            hi = min(length, start + per_packet, lo + block)
-            top = max(float(np.max(np.abs(x[lo:hi]))) for x in xs)
-            e = protocol.EXP_NONE if top == 0 else int(np.frexp(np.float32(top))[1])
-            if top != 0 and np.frexp(np.float32(top))[0] == 0.5:
-                e -= 1  # an exact power of two: 2^(e-1) holds it
-            bound[lo:hi] = protocol.lane_error_bound(n, e, bits)
-    return bound
+    return float_bound(xs, k, bits)
 
 
 def _allreduce(

@@ -22,14 +22,30 @@ def result_file(out: Path, job: int, rank: int) -> Path:
     return out / f"job{job}_rank{rank}.npz"
 
 
-def float_bound(xs: list[np.ndarray], k: int) -> np.ndarray:
-    """protocol.error_bound per element: E is the block's max exponent over all ranks' inputs."""
+def float_bound(xs: list[np.ndarray], k: int, bits: int = 32) -> np.ndarray:
+    """protocol.lane_error_bound per element: E is the block's max exponent over all ranks' inputs, a block
+    being a packet's values (32-bit lanes) or SCALE_BLOCK values within a packet (narrow lanes)."""
+    n, length = len(xs), xs[0].size
+    per_packet = protocol.lanes_per_packet(k, bits)
+    block = protocol.SCALE_BLOCK if bits != 32 else per_packet
     peak = np.max([np.abs(x) for x in xs], axis=0)
-    blocks = (peak.size + k - 1) // k
-    padded = np.zeros(blocks * k, np.float32)
-    padded[: peak.size] = peak
-    e = np.frexp(padded.reshape(blocks, k).max(axis=1))[1]
-    return np.repeat([protocol.error_bound(len(xs), int(x)) for x in e], k)[: peak.size]
+    bound = np.empty(length)
+    for start in range(0, length, per_packet):
+        for lo in range(start, min(length, start + per_packet), block):
+            hi = min(length, start + per_packet, lo + block)
+            top = np.float32(peak[lo:hi].max())
+            frac, e = np.frexp(top)
+            e = (
+                protocol.EXP_NONE if top == 0 else int(e) - (1 if frac == 0.5 else 0)
+            )  # 2^(e-1) holds a power of 2
+            bound[lo:hi] = protocol.lane_error_bound(n, e, bits)
+    return bound
+
+
+def dtype_bits(spec: str) -> tuple[str, int]:
+    """A tensor spec's dtype and lane width: "float32/16" is float32 in 16-bit lanes, "int32" 32-bit."""
+    dtype, _, bits = spec.partition("/")
+    return dtype, int(bits or 32)
 
 
 def check_results(
@@ -38,16 +54,17 @@ def check_results(
     """Asserts every rank holds the exact int32 sum (float32: within the documented bound, and the
     same bits on every rank); returns each rank's session stats."""
     files = [np.load(result_file(out, job, r)) for r in range(n)]
-    for i, (dtype, size) in enumerate(tensors):
+    for i, (spec, size) in enumerate(tensors):
+        dtype, bits = dtype_bits(spec)
         xs = [inputs(job, r, size, dtype, seed + i) for r in range(n)]
         if dtype == "int32":
             want = np.sum([x.astype(np.int64) for x in xs], axis=0).astype(np.int32)  # wraps like int32
         else:
             exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-            bound = float_bound(xs, k)
+            bound = float_bound(xs, k, bits)
         for r in range(n):
             got = files[r][f"t{i}"]
-            where = f"job {job} rank {r} tensor {i} ({dtype}, {size})"
+            where = f"job {job} rank {r} tensor {i} ({spec}, {size})"
             if dtype == "int32":
                 assert np.array_equal(got, want), f"{where}: int32 sum differs"
             else:

@@ -60,11 +60,17 @@ def train(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"status": "hung", "hung_after_s": args.timeout}
+        return {"status": "hung", "label": METHODS[name][0], "hung_after_s": args.timeout}
     if proc.returncode != 0:
-        return {"status": "failed", "stderr": proc.stderr[-3000:]}
+        return {"status": "failed", "label": METHODS[name][0], "stderr": proc.stderr[-3000:]}
     report: dict[str, Any] = json.loads(out.read_text())
-    return {"status": "ok", "seed": seed, "wall_s": time.monotonic() - start, **report}
+    return {
+        "status": "ok",
+        "label": METHODS[name][0],
+        "seed": seed,
+        "wall_s": time.monotonic() - start,
+        **report,
+    }
 
 
 def summarize(runs: dict[str, dict[str, Any]]) -> None:

@@ -150,7 +150,11 @@ def train(
         with open(log, "w") as f:  # the child keeps its own descriptor
             env = rank_env(bed, workdir, e.index, port)
             procs.append(e.popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env))
-    run = {"argv": argv[2:], **supervise(procs, logs[0], args.stall, args.timeout)}
+    run = {
+        "label": METHODS[name].label,
+        "argv": argv[2:],
+        **supervise(procs, logs[0], args.stall, args.timeout),
+    }
     if run["status"] == "failed":
         run["log_tail"] = logs[run["failed_ranks"][0][0]].read_text(errors="replace")[-3000:]
     if run["status"] != "ok":

@@ -24,6 +24,7 @@ from switchagg.aggregator import SoftwareAggregator, new_key  # noqa: E402
 from switchagg.torch import precision  # noqa: E402
 from switchagg.torch.dataplane import check_reachable, default_bind, network_identity  # noqa: E402
 from switchagg.torch.stager import Stager  # noqa: E402
+from switchagg_lab.testing.checks import block_exponents  # noqa: E402
 from switchagg_lab.testing.kit import free_port  # noqa: E402
 from switchagg_lab.testing.torch_launch import finish, launch, read  # noqa: E402
 
@@ -250,7 +251,7 @@ def staged_case(device: str, dtype: Any, average: bool, several: bool, bits: int
         errors = stage_everywhere(job, tensors, 2, n if average else 1, pin=device == "cuda", bits=bits)
         assert errors == [None] * n
         peak = np.max([x.float().abs().numpy() for x in wire], axis=0)
-        exps = precision.block_exponents(peak, per_packet, bits)
+        exps = block_exponents(peak, per_packet, bits)
         bound = precision.error_bound(dtype, n, exps, exact, average, bits)
         for r in range(n):
             assert all(t.dtype == dtype and t.device.type == device for t in tensors[r])
@@ -298,7 +299,7 @@ def test_staged_error_feedback_slices_the_residual_per_chunk(bits: int) -> None:
         assert all(int(s.stats()["allreduces"]) == 3 * rounds for s in job.sessions)
         peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
         bound = precision.error_bound(
-            torch.float32, n, precision.block_exponents(peak, per_packet, bits), exact, bits=bits
+            torch.float32, n, block_exponents(peak, per_packet, bits), exact, bits=bits
         )
         drift = np.abs(total - rounds * exact)
         # What is left in the residuals (less than a step each, of a block at most one binade up).

@@ -33,6 +33,7 @@ import switchagg
 import switchagg.torch as satorch
 from switchagg import protocol
 from switchagg.torch import backend_of, precision, widths
+from switchagg_lab.testing.checks import block_exponents
 
 K = protocol.DEFAULT_SW_K
 CAP_MB = 0.25  # DDP bucket cap: two buckets from the second backward on, two works in flight
@@ -46,16 +47,6 @@ def rank_input(rank: int, size: int, dtype: torch.dtype, seed: int) -> torch.Ten
     # Magnitudes spread over many binades so blocks get different exponents.
     scale = torch.pow(2.0, torch.randint(-12, 12, (size,), generator=g).float())
     return (torch.randn(size, generator=g) * scale).float()
-
-
-def float_bound(n: int, size: int, seed: int) -> np.ndarray:
-    """protocol.error_bound per element: E is the block's max exponent over all ranks."""
-    peak = np.max([rank_input(r, size, torch.float32, seed).abs().numpy() for r in range(n)], axis=0)
-    blocks = math.ceil(size / K)
-    padded = np.zeros(blocks * K, np.float32)
-    padded[:size] = peak
-    exps = np.frexp(padded.reshape(blocks, K).max(axis=1))[1]
-    return np.repeat([protocol.error_bound(n, int(e)) for e in exps], K)[:size]
 
 
 def network_allreduces(pg: Any) -> int:
@@ -81,7 +72,7 @@ def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
     dist.all_reduce(f)
     gloo.allreduce([fref]).wait()
     exact64 = torch.stack([rank_input(r, size, torch.float32, 2).double() for r in range(n)]).sum(0).numpy()
-    bound = float_bound(n, size, 2)
+    bound = call_bound(pg, [rank_input(r, size, torch.float32, 2) for r in range(n)], exact64)
     # gloo's own float32 sum is off the exact one by a few ulps of the block maximum.
     out["float32_within_bound_exact"] = bool(np.all(np.abs(f.numpy() - exact64) <= bound))
     out["float32_within_bound_gloo"] = bool(np.all(np.abs(f.numpy() - fref.numpy()) <= 2 * bound))
@@ -137,7 +128,7 @@ def call_bound(pg: Any, inputs: list[torch.Tensor], exact: Any, average: bool = 
     bits = lane_width(pg, inputs[0].dtype)
     per_packet = backend_of(pg).data_plane.lanes.values_per_packet(bits)
     peak = np.max([x.float().abs().reshape(-1).numpy() for x in inputs], axis=0)
-    e_max = precision.block_exponents(peak, per_packet, bits)
+    e_max = block_exponents(peak, per_packet, bits)
     return np.asarray(precision.error_bound(inputs[0].dtype, len(inputs), e_max, exact, average, bits))
 
 

@@ -23,6 +23,7 @@ from switchagg import Session, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator, new_key  # noqa: E402
 from switchagg.torch import precision  # noqa: E402
 from switchagg.torch.dataplane import check_reachable, default_bind, network_identity  # noqa: E402
+from switchagg.torch.hook import ErrorFeedback, SwitchaggHookState  # noqa: E402
 from switchagg.torch.stager import Stager  # noqa: E402
 from switchagg_lab.testing.checks import block_exponents  # noqa: E402
 from switchagg_lab.testing.kit import free_port  # noqa: E402
@@ -178,6 +179,39 @@ def test_settle_gives_up_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> Non
     assert leaving.settle() is True
 
 
+def test_lane_widths_per_dtype() -> None:
+    """docs/TORCH.md, Lane widths: each float dtype's own width unless a width is chosen, which
+    applies to every float dtype; int32 always in 32-bit lanes; anything but 32, 16, 8 refused."""
+    from switchagg.torch.widths import lane_bits
+
+    assert [lane_bits(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32)] == [
+        32,
+        16,
+        16,
+        32,
+    ]
+    for bits in (32, 16, 8):
+        assert [lane_bits(d, bits) for d in (torch.float32, torch.bfloat16, torch.float16)] == [bits] * 3
+        assert lane_bits(torch.int32, bits) == 32
+    with pytest.raises(ValueError, match="lanes are 32, 16, 8 bits wide"):
+        lane_bits(torch.float32, 12)
+    with pytest.raises(ValueError, match="SwitchaggHookState bits=4"):
+        SwitchaggHookState(bits=4)  # refused before it needs a process group
+
+
+def test_a_residual_is_kept_only_for_the_same_parameters_and_size() -> None:
+    """hook.ErrorFeedback: DDP may rebuild its buckets, so an index's residual is reused only while
+    the index holds the same parameters of the same size; otherwise it starts from zeros."""
+    feedback = ErrorFeedback()
+    first = feedback.residual(0, (1, 2), 10)
+    first += 1.0  # what rounding left
+    assert feedback.residual(0, (1, 2), 10) is first
+    assert not feedback.residual(0, (2, 1), 10).any()  # other parameters, the same size
+    assert not feedback.residual(0, (2, 1), 12).any() and feedback.sizes() == {0: 12}
+    assert feedback.residual(1, (3,), 5) is not feedback.residual(0, (2, 1), 12)
+    assert feedback.sizes() == {0: 12, 1: 5}
+
+
 class Job:
     """n sessions of one job on an in-process software aggregator (real sockets)."""
 
@@ -313,11 +347,12 @@ def test_staged_error_feedback_slices_the_residual_per_chunk(bits: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("bits", [32, 16, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_stager_on_cuda(dtype: str) -> None:
+def test_stager_on_cuda(dtype: str, bits: int) -> None:
     """The same through pinned memory and a side stream, device to host and back chunk by chunk."""
-    staged_case("cuda", getattr(torch, dtype), True, False)
-    staged_case("cuda", getattr(torch, dtype), False, True)
+    staged_case("cuda", getattr(torch, dtype), True, False, bits)
+    staged_case("cuda", getattr(torch, dtype), False, True, bits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)

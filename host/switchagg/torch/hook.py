@@ -110,11 +110,11 @@ class SwitchaggHookState:
         bits: int | None = None,
         error_feedback: bool | None = None,
     ) -> None:
+        self.bits = None if bits is None else widths.checked(bits, "SwitchaggHookState bits")
+        self.error_feedback = error_feedback
         group = process_group if process_group is not None else dist.group.WORLD
         if group is None or not dist.is_initialized():
             raise RuntimeError("SwitchaggHookState needs an initialised process group")
-        self.bits = None if bits is None else widths.checked(bits, "SwitchaggHookState bits")
-        self.error_feedback = error_feedback
         self.feedback = ErrorFeedback()
         self.process_group = group
         self.rank = dist.get_rank(group)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from switchagg import Session, SwitchaggError, _core, protocol
 from switchagg.aggregator import SoftwareAggregator
+from switchagg_lab.testing.kit import local_sessions, on_every_rank
 
 KEY = 0x5EC12E7
 
@@ -27,41 +27,6 @@ def aggregator() -> Iterator[SoftwareAggregator]:
     agg.stop()
 
 
-def _sessions(
-    agg: SoftwareAggregator,
-    n: int,
-    *,
-    k: int = 256,
-    slots: int = 8,
-    job: int = 1,
-    timeout: float = 5.0,
-    key: int = KEY,
-) -> list[Session]:
-    sessions = [Session(job, r, n, agg.address, 0, slots, k, timeout=timeout, key=key) for r in range(n)]
-    agg._agg.add_job(job, n, 0, slots, k, 1, [s.local_address for s in sessions], key=key)
-    return sessions
-
-
-def _on_every_rank(sessions: list[Session], work: Callable[[int, Session], Any]) -> list[Any]:
-    """Runs work(rank, session) on one thread per rank (the C path releases the GIL); returns each
-    rank's result or the exception it raised. Bounded: a thread that hangs fails the test."""
-    out: list[Any] = [None] * len(sessions)
-
-    def run(r: int) -> None:
-        try:
-            out[r] = work(r, sessions[r])
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(sessions))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a rank hung"
-    return out
-
-
 @pytest.mark.reliability(
     "mismatched calls",
     "rank 0 allreduces 1M + 1M elements, rank 1 one call of 2M (int32, float32)",
@@ -71,11 +36,11 @@ def _on_every_rank(sessions: list[Session], work: Callable[[int, Session], Any])
     state="the job's sessions broken (open new ones)",
 )
 @pytest.mark.parametrize("dtype", [np.int32, np.float32])
-def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
+def test_two_calls_against_one_of_twice_the_length_failon_every_rank(
     aggregator: SoftwareAggregator, dtype: type
 ) -> None:
     """Rank 0 allreduces 1M + 1M elements, rank 1 one 2M call: no partial sum ever comes back."""
-    sessions = _sessions(aggregator, 2)
+    sessions = local_sessions(aggregator, 2)
 
     def work(rank: int, s: Session) -> list[np.ndarray]:
         if rank == 0:
@@ -88,7 +53,7 @@ def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
         s.allreduce(c)
         return [c]
 
-    out = _on_every_rank(sessions, work)
+    out = on_every_rank(sessions, work)
     for rank, res in enumerate(out):
         assert isinstance(res, SwitchaggError), f"rank {rank} returned {res!r} as a success"
         msg = str(res)
@@ -112,7 +77,7 @@ def test_two_calls_against_one_of_twice_the_length_fail_on_every_rank(
 def test_a_skipped_call_fails_on_every_rank_instead_of_pairing_steps(aggregator: SoftwareAggregator) -> None:
     """Rank 0 cannot make its call (a bad argument); it must not pair its next call with its peers'
     current one: call 1 fails on every rank, saying rank 0 aborted it."""
-    sessions = _sessions(aggregator, 3)
+    sessions = local_sessions(aggregator, 3)
 
     def work(rank: int, s: Session) -> Any:
         if rank == 0:
@@ -125,7 +90,7 @@ def test_a_skipped_call_fails_on_every_rank_instead_of_pairing_steps(aggregator:
         s.allreduce(step1)
         return step1
 
-    out = _on_every_rank(sessions, work)
+    out = on_every_rank(sessions, work)
     assert isinstance(out[0], SwitchaggError) and "earlier call on this session failed" in str(out[0])
     for rank in (1, 2):
         assert isinstance(out[rank], SwitchaggError), out[rank]
@@ -143,10 +108,8 @@ def test_a_skipped_call_fails_on_every_rank_instead_of_pairing_steps(aggregator:
     state="the job's sessions broken (open new ones)",
 )
 def test_a_different_dtype_is_a_different_call(aggregator: SoftwareAggregator) -> None:
-    sessions = _sessions(aggregator, 2)
-    out = _on_every_rank(
-        sessions, lambda r, s: s.allreduce(np.ones(5000, np.float32 if r == 0 else np.int32))
-    )
+    sessions = local_sessions(aggregator, 2)
+    out = on_every_rank(sessions, lambda r, s: s.allreduce(np.ones(5000, np.float32 if r == 0 else np.int32)))
     assert all(isinstance(e, SwitchaggError) and "float32" in str(e) and "int32" in str(e) for e in out), out
     for s in sessions:
         s.close()
@@ -154,7 +117,7 @@ def test_a_different_dtype_is_a_different_call(aggregator: SoftwareAggregator) -
 
 def test_calls_that_agree_keep_summing_exactly(aggregator: SoftwareAggregator) -> None:
     """The check costs nothing when calls agree: many calls of varied length and dtype, exact."""
-    sessions = _sessions(aggregator, 3, k=64, slots=4)
+    sessions = local_sessions(aggregator, 3, k=64, slots=4)
     sizes = [1, 63, 64, 65, 1000, 257, 0, 4096]
 
     def work(rank: int, s: Session) -> list[np.ndarray]:
@@ -165,7 +128,7 @@ def test_calls_that_agree_keep_summing_exactly(aggregator: SoftwareAggregator) -
             outs.append(x)
         return outs
 
-    out = _on_every_rank(sessions, work)
+    out = on_every_rank(sessions, work)
     for res in out:
         assert not isinstance(res, Exception), res
         for i, size in enumerate(sizes):
@@ -189,7 +152,7 @@ def test_nan_and_inf_go_through_the_network_as_gloo_sums_them(aggregator: Softwa
     IEEE's sum (NaN absorbs, +Inf + -Inf = NaN), the other elements of its block (K of them) NaN,
     other blocks their usual sum. Finite values up to 3.4e38 are accepted."""
     k = 64
-    sessions = _sessions(aggregator, 2, k=k, slots=4)
+    sessions = local_sessions(aggregator, 2, k=k, slots=4)
     base = [np.linspace(-1, 1, 10 * k).astype(np.float32) * (r + 1) for r in range(2)]
     base[0][5] = np.inf  # block 0
     base[1][5] = 1.0
@@ -199,7 +162,7 @@ def test_nan_and_inf_go_through_the_network_as_gloo_sums_them(aggregator: Softwa
     base[0][3 * k] = np.float32(3.0e38)  # block 3: finite, above 2^127
     base[1][3 * k] = np.float32(-1.0e38)
     xs = [b.copy() for b in base]
-    out = _on_every_rank(sessions, lambda r, s: s.allreduce(xs[r]))
+    out = on_every_rank(sessions, lambda r, s: s.allreduce(xs[r]))
     assert out == [None, None], out
     with np.errstate(invalid="ignore"):  # inf + -inf
         exact = base[0].astype(np.float64) + base[1].astype(np.float64)
@@ -267,9 +230,9 @@ def test_a_squatter_on_the_dead_aggregators_port_cannot_answer() -> None:
     agg = SoftwareAggregator("127.0.0.1", 0)
     agg.start()
     port = agg.address[1]
-    sessions = _sessions(agg, 2, k=64, slots=4, timeout=2.0)
+    sessions = local_sessions(agg, 2, k=64, slots=4, timeout=2.0)
     good = [np.full(1000, r + 1, np.int32) for r in range(2)]
-    assert _on_every_rank(sessions, lambda r, s: s.allreduce(good[r])) == [None, None]
+    assert on_every_rank(sessions, lambda r, s: s.allreduce(good[r])) == [None, None]
     assert all((g == 3).all() for g in good)
     agg.stop()  # closes its socket: the port is free for anyone
     r_fd, w_fd = os.pipe()
@@ -282,7 +245,7 @@ def test_a_squatter_on_the_dead_aggregators_port_cannot_answer() -> None:
     try:
         assert os.read(r_fd, 1) == b"b"
         xs = [np.full(1000, r + 1, np.int32) for r in range(2)]
-        out = _on_every_rank(sessions, lambda r, s: s.allreduce(xs[r]))
+        out = on_every_rank(sessions, lambda r, s: s.allreduce(xs[r]))
         for r, res in enumerate(out):
             assert isinstance(res, SwitchaggError) and "no result from the aggregator" in str(res), res
             assert not (xs[r] == 42).any() and (xs[r] == r + 1).all()  # nothing forged was written

@@ -73,6 +73,7 @@ struct job {
     uint8_t *cnt;
     int8_t *exp;
     uint32_t *values;                /* count * 2 * k, host order, uint32 so that adds wrap */
+    uint32_t scale_words[2];         /* narrow payloads: leading words of scale bytes, 16 and 8 bits */
     /* The round's identity, from its first contribution: every other one must match it. */
     uint32_t *rcall, *rtotal, *roffset;
     uint8_t *rflags;
@@ -114,6 +115,39 @@ SA_KERNEL static void k_load(uint32_t *restrict v, const uint32_t *restrict p, u
 
 SA_KERNEL static void k_add(uint32_t *restrict v, const uint32_t *restrict p, uint32_t k) {
     for (uint32_t e = 0; e < k; e++) v[e] += __builtin_bswap32(p[e]);
+}
+
+/* Narrow lanes (docs/PROTOCOL.md): each lane of a word adds on its own, wrapping inside the lane;
+ * hi holds the lanes' sign bits, whose carries are the ones that must not cross into a neighbour. */
+SA_KERNEL static void k_add_lanes(uint32_t *restrict v, const uint32_t *restrict p, uint32_t k, uint32_t hi) {
+    for (uint32_t e = 0; e < k; e++) {
+        uint32_t a = v[e], b = __builtin_bswap32(p[e]);
+        v[e] = ((a & ~hi) + (b & ~hi)) ^ ((a ^ b) & hi);
+    }
+}
+
+/* Scale words: the unsigned max of each byte. */
+static void k_max_bytes(uint32_t *v, const uint32_t *p, uint32_t words) {
+    for (uint32_t e = 0; e < words; e++) {
+        uint32_t a = v[e], b = __builtin_bswap32(p[e]), m = 0;
+        for (int sh = 0; sh < 32; sh += 8) {
+            uint32_t x = (a >> sh) & 0xffu, y = (b >> sh) & 0xffu;
+            m |= (x > y ? x : y) << sh;
+        }
+        v[e] = m;
+    }
+}
+
+/* Adds a contribution of the round's lane width to the slot's values. */
+static void add_payload(const struct job *j, uint32_t *v, const uint32_t *p, uint8_t flags) {
+    int bits = sa_lane_bits(flags);
+    if (bits == 32) {
+        k_add(v, p, j->k);
+        return;
+    }
+    uint32_t x = j->scale_words[bits == 16 ? 0 : 1];
+    k_max_bytes(v, p, x);
+    k_add_lanes(v + x, p + x, j->k - x, bits == 16 ? 0x80008000u : 0x80808080u);
 }
 
 static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y);
@@ -401,6 +435,10 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
         t->drops[SA_DROP_BAD_VERSION]++;
         return;
     }
+    if (sa_lane_bits(h->flags) == 0) { /* LANES = 3 names no width */
+        t->drops[SA_DROP_BAD_TYPE]++;
+        return;
+    }
     if (h->type == SA_MSG_RESULT) {
         process_result(t, buf, len, src);
         return;
@@ -467,7 +505,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
                 else
                     memcpy(v, info, m * sizeof *v);
             } else if (j->poison[si] == 0) {
-                k_add(v, p, k);
+                add_payload(j, v, p, h->flags);
             }
             j->poison[si] |= poison;
             if (h->exp > j->exp[si]) j->exp[si] = h->exp;
@@ -680,6 +718,8 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->base = spec->base;
     j->count = spec->count;
     j->k = spec->k;
+    j->scale_words[0] = sa_scale_words(spec->k, 16);
+    j->scale_words[1] = sa_scale_words(spec->k, 8);
     j->key = spec->key;
     j->leaf = spec->leaf;
     j->leaf_index = spec->leaf_index;

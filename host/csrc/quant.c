@@ -129,3 +129,87 @@ SA_HOT void sa_int_to_be(const int32_t *x, size_t len, size_t k, uint32_t *out_b
 SA_HOT void sa_be_to_int(const uint32_t *in_be, size_t len, int32_t *y) {
     for (size_t i = 0; i < len; i++) y[i] = (int32_t)bswap32(in_be[i]);
 }
+
+/* ---- Narrow lanes ---- */
+
+SA_HOT void sa_block_scales(const float *x, size_t len, uint8_t *scales) {
+    for (size_t b = 0, off = 0; off < len; b++, off += SA_SCALE_BLOCK) {
+        size_t l = len - off < SA_SCALE_BLOCK ? len - off : SA_SCALE_BLOCK;
+        scales[b] = (uint8_t)(sa_block_exponent(x + off, l) + SA_SCALE_BIAS);
+    }
+}
+
+/* M: one contribution's largest lane magnitude, so that n of them sum inside the lane. */
+static inline int lane_limit(int bits, int n) { return ((1 << (bits - 1)) - 1) / n; }
+
+/* A uniform dither in [0, 1) per element: a 32-bit integer hash (lowbias32) of the element's index
+ * and the chunk's seed; integer multiplies and shifts, so the loop still vectorizes. */
+static inline float dither(uint32_t seed, uint32_t i) {
+    uint32_t h = seed + i * 0x9e3779b9u;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    h *= 0x846ca68bu;
+    h ^= h >> 16;
+    return (float)(h >> 8) * 0x1p-24f;
+}
+
+/* The value of one unit of a lane in a block of scale byte s: 2^E / M. */
+static inline double lane_step(uint8_t s, int m) { return ldexp(1.0, exp_value((int)s - SA_SCALE_BIAS)) / m; }
+
+SA_HOT static void quantize_block(const float *x, size_t l, int bits, uint8_t s, int m, uint32_t seed,
+                                  uint32_t first, uint8_t *out, float *residual) {
+    if (s == 0 || s == 255) { /* all zero on every rank, or non-finite somewhere: nothing travels */
+        if (residual) memset(residual, 0, l * sizeof *residual);
+        return;
+    }
+    const int e = exp_value((int)s - SA_SCALE_BIAS);
+    const float down = ldexpf(1.0f, -e) * (float)m; /* 2^-E is exact (2^-128 as a subnormal) */
+    const float step = (float)lane_step(s, m), lim = (float)m;
+    for (size_t i = 0; i < l; i++) {
+        float t = floorf(x[i] * down + dither(seed, first + (uint32_t)i));
+        t = t > lim ? lim : t;
+        t = t < -lim ? -lim : t;
+        if (residual) residual[i] = x[i] - t * step;
+        if (bits == 16) {
+            uint16_t v = (uint16_t)(int16_t)t;
+            out[2 * i] = (uint8_t)(v >> 8);
+            out[2 * i + 1] = (uint8_t)v;
+        } else {
+            out[i] = (uint8_t)(int8_t)t;
+        }
+    }
+}
+
+void sa_quantize_lanes(const float *x, size_t len, size_t lanes, int bits, const uint8_t *scales, int n,
+                       uint32_t seed, uint8_t *out, float *residual) {
+    const int m = lane_limit(bits, n);
+    const size_t bytes = (size_t)bits / 8;
+    memset(out, 0, lanes * bytes);
+    for (size_t b = 0, off = 0; off < len; b++, off += SA_SCALE_BLOCK) {
+        size_t l = len - off < SA_SCALE_BLOCK ? len - off : SA_SCALE_BLOCK;
+        quantize_block(x + off, l, bits, scales[b], m, seed, (uint32_t)off, out + off * bytes,
+                       residual ? residual + off : NULL);
+    }
+}
+
+SA_HOT static void dequantize_block(const uint8_t *in, size_t l, int bits, uint8_t s, int m, float *y) {
+    if (s == 0 || s == 255) {
+        for (size_t i = 0; i < l; i++) y[i] = s == 0 ? 0.0f : NAN;
+        return;
+    }
+    const double step = lane_step(s, m);
+    if (bits == 16)
+        for (size_t i = 0; i < l; i++) y[i] = (float)((double)(int16_t)(uint16_t)(in[2 * i] << 8 | in[2 * i + 1]) * step);
+    else
+        for (size_t i = 0; i < l; i++) y[i] = (float)((double)(int8_t)in[i] * step);
+}
+
+void sa_dequantize_lanes(const uint8_t *in, size_t len, int bits, const uint8_t *scales, int n, float *y) {
+    const int m = lane_limit(bits, n);
+    const size_t bytes = (size_t)bits / 8;
+    for (size_t b = 0, off = 0; off < len; b++, off += SA_SCALE_BLOCK) {
+        size_t l = len - off < SA_SCALE_BLOCK ? len - off : SA_SCALE_BLOCK;
+        dequantize_block(in + off * bytes, l, bits, scales[b], m, y + off);
+    }
+}

@@ -22,4 +22,20 @@ void sa_dequantize_be(const uint32_t *in_be, size_t len, int e_max, int n, float
 void sa_int_to_be(const int32_t *x, size_t len, size_t k, uint32_t *out_be);
 void sa_be_to_int(const uint32_t *in_be, size_t len, int32_t *y);
 
+/* ---- Narrow lanes (docs/PROTOCOL.md, Narrow lanes): 16- or 8-bit lanes, one scale byte per
+ * SA_SCALE_BLOCK values. A chunk of len values has ceil(len / SA_SCALE_BLOCK) blocks. */
+
+/* Each block's scale byte: its exponent (as sa_block_exponent) + SA_SCALE_BIAS; 0 all-zero, 255 non-finite. */
+void sa_block_scales(const float *x, size_t len, uint8_t *scales);
+
+/* Lanes of `bits` (16 or 8), big-endian, for len values quantized on the blocks' max scales with
+ * stochastic rounding (seed: the per-element dither's, different on every rank and chunk); lanes past len
+ * are zero up to `lanes` values. With residual != NULL, residual[i] = x[i] - what the lane stands for
+ * (the rank's rounding error, 0 in a non-finite block). */
+void sa_quantize_lanes(const float *x, size_t len, size_t lanes, int bits, const uint8_t *scales, int n,
+                       uint32_t seed, uint8_t *out, float *residual);
+
+/* y = lane / f for len values of big-endian lanes; a non-finite block is NaN throughout. */
+void sa_dequantize_lanes(const uint8_t *in, size_t len, int bits, const uint8_t *scales, int n, float *y);
+
 #endif

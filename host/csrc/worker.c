@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -147,6 +148,7 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     w->rank = (uint16_t)c->rank;
     w->key = c->key;
     w->call = 0;
+    if (getrandom(&w->seed, sizeof w->seed, 0) != (ssize_t)sizeof w->seed) w->seed = (uint32_t)sa_now_ns() ^ (uint32_t)getpid();
     w->n = c->n;
     w->slot_base = c->slot_base;
     w->slot_count = c->slot_count;
@@ -179,11 +181,17 @@ typedef struct {
     uint32_t number; /* this call's sequence number */
     uint32_t call;   /* its identity on the wire: sa_call_identity(number, tag) */
     int tagged;
+    int bits;        /* lane width on the wire: 32, or 16/8 for a float call in narrow lanes */
+    uint8_t lane_flag;
+    size_t vals;     /* values per packet: K for 32-bit lanes, protocol.lanes_per_packet for narrow */
+    size_t xwords;   /* narrow: leading payload words of scale bytes */
+    size_t nb;       /* narrow: scale blocks per chunk */
+    float *residual; /* narrow: this rank's rounding error per element (error feedback), or NULL */
     struct sa_header poisoned;                 /* the poisoned RESULT that ended the call */
     uint32_t poison_info[SA_MISMATCH_INFO_LEN]; /* its payload: who differed */
     void *data;
     size_t len, chunks;
-    int8_t *exp_local, *exp_max; /* per chunk */
+    int8_t *exp_local, *exp_max; /* per chunk (narrow lanes: nb scale bytes per chunk) */
     slot_t *slots;
     size_t active, done;
     size_t outstanding; /* sent and unanswered, at most w->window */
@@ -199,8 +207,32 @@ typedef struct {
 
 
 static inline size_t chunk_len(const run_t *r, int64_t c) {
-    size_t off = (size_t)c * (size_t)r->w->k;
-    return r->len - off < (size_t)r->w->k ? r->len - off : (size_t)r->w->k;
+    size_t off = (size_t)c * r->vals;
+    return r->len - off < r->vals ? r->len - off : r->vals;
+}
+
+/* The dither seed of chunk c: differs per rank (the worker's random seed), call and chunk, so the ranks'
+ * rounding errors are independent and a resend carries the packet it resends (built once). */
+static uint32_t chunk_seed(const run_t *r, int64_t c) {
+    return sa_call_identity(r->w->seed ^ r->number * 0x85ebca6bu, (uint32_t)c + 1u);
+}
+
+/* A narrow payload: the scale bytes of chunk `scales_of` (none past the end), then chunk c's lanes. */
+static void build_lanes(run_t *r, int64_t c, int64_t scales_of, int prime, uint32_t *payload) {
+    struct sa_worker *w = r->w;
+    uint8_t *bytes = (uint8_t *)payload;
+    memset(bytes, 0, 4 * r->xwords);
+    if ((size_t)scales_of < r->chunks) memcpy(bytes, (uint8_t *)r->exp_local + (size_t)scales_of * r->nb, r->nb);
+    uint8_t *lanes = bytes + 4 * r->xwords;
+    size_t lane_bytes = 4 * ((size_t)w->k - r->xwords);
+    if (prime) {
+        memset(lanes, 0, lane_bytes);
+        return;
+    }
+    size_t off = (size_t)c * r->vals, l = chunk_len(r, c);
+    memset(lanes + l * (size_t)r->bits / 8, 0, lane_bytes - l * (size_t)r->bits / 8);
+    sa_quantize_lanes((const float *)r->data + off, l, l, r->bits, (uint8_t *)r->exp_max + (size_t)c * r->nb, w->n,
+                      chunk_seed(r, c), lanes, r->residual ? r->residual + off : NULL);
 }
 
 /* Build the outstanding packet of slot i for its current chunk and phase. */
@@ -218,17 +250,23 @@ static void build_packet(run_t *r, size_t i) {
     h->rank = htons(w->rank);
     h->pool = htons((uint16_t)((w->sets[i] ? SA_POOL_SET_BIT : 0) | (uint16_t)(w->slot_base + (int)i)));
     h->elems = htons((uint16_t)w->k);
-    h->offset = htonl((uint32_t)((size_t)c * (size_t)w->k));
+    h->offset = htonl((uint32_t)((size_t)c * r->vals));
     h->call = htonl(r->call);
     h->total = htonl((uint32_t)r->len);
     h->key = 0;
-    uint8_t kind_flag = r->kind == 'f' ? SA_FLAG_FLOAT : 0;
+    uint8_t kind_flag = (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag;
     if (s->phase == SLOT_ABORT) { /* its payload says who gave up on which call */
         h->flags = SA_FLAG_ABORT | kind_flag;
         h->exp = SA_EXP_NONE;
         memset(payload, 0, 4 * (size_t)w->k);
         uint32_t info[SA_MISMATCH_INFO_LEN] = {w->rank, r->number, (uint32_t)r->len, h->flags};
         for (size_t e = 0; e < SA_MISMATCH_INFO_LEN && e < (size_t)w->k; e++) payload[e] = htonl(info[e]);
+        return;
+    }
+    if (r->bits != 32) { /* the scales travel in the payload, one round ahead as the exponent does */
+        h->flags = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | kind_flag;
+        h->exp = SA_EXP_NONE;
+        build_lanes(r, c, s->phase == SLOT_PRIME ? c : next, s->phase == SLOT_PRIME, payload);
         return;
     }
     if (s->phase == SLOT_PRIME) {
@@ -380,6 +418,33 @@ static void rtt_sample(struct sa_worker *w, uint64_t rtt) {
     w->srtt_ns = (7 * w->srtt_ns + rtt) / 8;
 }
 
+/* A PRIME round's result: the max exponent (32-bit lanes) or scale bytes (narrow) of chunk c. */
+static void take_scales(run_t *r, int64_t c, const struct sa_header *h, const uint32_t *payload) {
+    if (r->bits == 32)
+        r->exp_max[c] = h->exp;
+    else
+        memcpy((uint8_t *)r->exp_max + (size_t)c * r->nb, payload, r->nb);
+}
+
+/* A data round's result: chunk c's sum into the tensor, and the max scales of the slot's next chunk
+ * (they travel one round ahead). */
+static void take_sum(run_t *r, int64_t c, const struct sa_header *h, const uint32_t *payload) {
+    struct sa_worker *w = r->w;
+    int64_t next = c + w->slot_count;
+    size_t off = (size_t)c * r->vals, l = chunk_len(r, c);
+    if (r->bits != 32) {
+        const uint8_t *bytes = (const uint8_t *)payload;
+        sa_dequantize_lanes(bytes + 4 * r->xwords, l, r->bits, (uint8_t *)r->exp_max + (size_t)c * r->nb, w->n,
+                            (float *)r->data + off);
+        if ((size_t)next < r->chunks) memcpy((uint8_t *)r->exp_max + (size_t)next * r->nb, bytes, r->nb);
+    } else if (r->kind == 'f') {
+        sa_dequantize_be(payload, l, r->exp_max[c], w->n, (float *)r->data + off);
+        if ((size_t)next < r->chunks) r->exp_max[next] = h->exp;
+    } else {
+        sa_be_to_int(payload, l, (int32_t *)r->data + off);
+    }
+}
+
 /* Advance slot i after its result arrived; returns 1 if a new packet is outstanding. */
 static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     struct sa_worker *w = r->w;
@@ -394,7 +459,7 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
         r->lost = 0;
     }
     s->watch = (s->fast_done ? WATCH_FAST : 0) | (s->probe ? WATCH_PROBE : 0);
-    s->watch_offset = (uint32_t)((size_t)c * (size_t)w->k);
+    s->watch_offset = (uint32_t)((size_t)c * r->vals);
     w->sets[i] ^= 1; /* this round on this slot is finished for us */
     if (s->phase == SLOT_ABORT) {
         s->phase = SLOT_DONE;
@@ -402,16 +467,10 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
         return 0;
     }
     if (s->phase == SLOT_PRIME) {
-        r->exp_max[c] = h->exp;
+        take_scales(r, c, h, payload);
         s->phase = SLOT_DATA;
     } else {
-        size_t off = (size_t)c * (size_t)w->k, l = chunk_len(r, c);
-        if (r->kind == 'f') {
-            sa_dequantize_be(payload, l, r->exp_max[c], w->n, (float *)r->data + off);
-            if ((size_t)next < r->chunks) r->exp_max[next] = h->exp;
-        } else {
-            sa_be_to_int(payload, l, (int32_t *)r->data + off);
-        }
+        take_sum(r, c, h, payload);
         if ((size_t)next >= r->chunks) {
             s->phase = SLOT_DONE;
             r->done++;
@@ -552,9 +611,9 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     if (s->phase == SLOT_DONE || s->queued || set != w->sets[i]) return -1;
     *poisoned = (h->flags & SA_POISON_FLAGS) != 0;
     if (*poisoned) return i;
-    if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * (size_t)w->k)) return -1;
+    if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * r->vals)) return -1;
     if (ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len) return -1;
-    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0);
+    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag;
     if ((h->flags & SA_IDENTITY_FLAGS) != want) return -1;
     return i;
 }
@@ -630,24 +689,31 @@ static size_t resend_lost(run_t *r, uint64_t now, size_t *out, size_t nout) {
  * until the round it poisons comes back, so that every peer in the call fails it too. */
 static int run_call(run_t *r, int abort) {
     struct sa_worker *w = r->w;
-    size_t K = (size_t)w->k;
+    size_t K = r->vals;
     r->chunks = abort ? 1 : (r->len + K - 1) / K;
     if (r->chunks == 0) return SA_CALL_OK;
     r->active = r->chunks < (size_t)w->slot_count ? r->chunks : (size_t)w->slot_count;
     r->slots = calloc(r->active, sizeof *r->slots);
     size_t *queue = malloc(r->active * sizeof *queue);
     if (r->kind == 'f') {
-        r->exp_local = malloc(r->chunks);
-        r->exp_max = malloc(r->chunks);
+        r->exp_local = calloc(r->chunks, r->nb);
+        r->exp_max = calloc(r->chunks, r->nb);
     }
     if (!r->slots || !queue || (r->kind == 'f' && (!r->exp_local || !r->exp_max))) {
         free(queue);
         return SA_CALL_NOMEM;
     }
     int rc = SA_CALL_OK;
+    if (r->residual && !abort) /* error feedback: what rounding took from the last call comes back */
+        for (size_t e = 0; e < r->len; e++) ((float *)r->data)[e] += r->residual[e];
     if (r->kind == 'f' && !abort)
-        for (size_t c = 0; c < r->chunks; c++)
-            r->exp_local[c] = sa_block_exponent((const float *)r->data + c * K, chunk_len(r, (int64_t)c));
+        for (size_t c = 0; c < r->chunks; c++) {
+            const float *x = (const float *)r->data + c * K;
+            if (r->bits != 32)
+                sa_block_scales(x, chunk_len(r, (int64_t)c), (uint8_t *)r->exp_local + c * r->nb);
+            else
+                r->exp_local[c] = sa_block_exponent(x, chunk_len(r, (int64_t)c));
+        }
     uint64_t now = sa_now_ns();
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;
@@ -805,7 +871,11 @@ static int run_call(run_t *r, int abort) {
     return rc;
 }
 
-static const char *kind_name(uint32_t flags) { return (flags & SA_FLAG_FLOAT) ? "float32" : "int32"; }
+static const char *kind_name(uint32_t flags) {
+    if (!(flags & SA_FLAG_FLOAT)) return "int32";
+    int bits = sa_lane_bits((uint8_t)flags);
+    return bits == 16 ? "float32 (16-bit lanes)" : bits == 8 ? "float32 (8-bit lanes)" : "float32";
+}
 
 /* A call identity as a person reads it: a sequence number, or (tagged calls) a digest in hex. */
 static void name_call(char *buf, size_t size, int tagged, uint32_t call) {
@@ -822,7 +892,7 @@ static int describe_poison(const run_t *r, char *buf, size_t size) {
     char mine[200], theirs[40], first[40], own[40];
     name_call(own, sizeof own, r->tagged, r->call);
     snprintf(mine, sizeof mine, "this rank (%u) is at call %u (%s) with %u %s elements", w->rank, r->number,
-             own, (unsigned)r->len, r->kind == 'f' ? "float32" : "int32");
+             own, (unsigned)r->len, kind_name((r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag));
     if (w->k < SA_MISMATCH_INFO_LEN)
         snprintf(buf, size, "call %u of job %u failed on every rank: the contributions to one slot round "
                  "differed in call identity or a rank aborted (K=%d is too small to say who); %s",
@@ -888,8 +958,14 @@ void sa_worker_cancel(struct sa_worker *w, const char *why, int cause) {
     if (w->cancel_fd >= 0) (void)!write(w->cancel_fd, &one, sizeof one);
 }
 
-int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag) {
-    run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0};
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
+                   float *residual) {
+    run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0, .bits = bits,
+               .residual = bits == 32 ? NULL : residual};
+    r.lane_flag = bits == 16 ? SA_FLAG_LANE16 : bits == 8 ? SA_FLAG_LANE8 : 0;
+    r.vals = sa_lanes_per_packet((uint32_t)w->k, bits);
+    r.xwords = sa_scale_words((uint32_t)w->k, bits);
+    r.nb = bits == 32 ? 1 : (r.vals + SA_SCALE_BLOCK - 1) / SA_SCALE_BLOCK;
     w->busy = 1;
     r.number = ++w->call;
     r.call = sa_call_identity(r.number, tag);
@@ -902,6 +978,7 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
     switch (rc) {
     case SA_CALL_OK:
         if (!abort) w->stats.allreduces++;
+        if (!abort) w->stats.lane_bytes[bits == 32 ? 0 : bits == 16 ? 1 : 2] += (unsigned long long)r.chunks * w->pkt_len;
         break;
     case SA_CALL_POISONED:
         w->broken = 1;

@@ -15,6 +15,7 @@ struct sa_worker_stats {
     unsigned long long spurious_probes; /* tail loss probes found unneeded: their round was answered twice */
     unsigned long long gso_sends;       /* sends of several packets at once (UDP GSO) */
     unsigned long long gro_receives;    /* receives of several results at once (UDP GRO) */
+    unsigned long long lane_bytes[3];   /* datagram bytes of completed calls' first sends, by lane width 32/16/8 */
 };
 
 struct sa_worker {
@@ -33,6 +34,7 @@ struct sa_worker {
     uint16_t job, rank;
     uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
     uint32_t call; /* the call sequence number of the latest call (the next one is call + 1) */
+    uint32_t seed; /* narrow lanes' stochastic rounding: this worker's random seed */
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
     int rcvbuf;    /* the socket's receive buffer as the kernel granted it */
@@ -82,10 +84,14 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
 /* -1 with the reason when no call can be made now (not configured, broken, busy). */
 int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
 /* One call: allreduce len elements of data in place (kind 'f' float32 or 'i' int32), or (abort) give
- * up the next call so every peer fails it too; `tag` (0: none) goes into the call's identity.
+ * up the next call so every peer fails it too; `tag` (0: none) goes into the call's identity. `bits`:
+ * the lanes on the wire, 32, or 16/8 for float32 (docs/PROTOCOL.md, Narrow lanes); with narrow lanes and
+ * residual != NULL (len floats), residual is added to data first and then holds what rounding took from
+ * it (error feedback).
  * Blocks; returns an sa_call_result. After any failure
  * but SA_CALL_NOMEM the worker is broken, w->why_broken says why (SA_CALL_OSERROR: errno too). */
-int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag);
+int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
+                   float *residual);
 /* The cause of the error a call made now would raise (valid when sa_worker_usable or a call failed). */
 int sa_worker_cause(const struct sa_worker *w);
 /* From any thread: end the call in progress (and refuse every later one) with SA_CALL_CANCELLED and

@@ -57,13 +57,21 @@ class Lanes:
     def k(self) -> int:
         return self.sessions[0].k
 
+    def values_per_packet(self, bits: int = 32) -> int:
+        return self.sessions[0].values_per_packet(bits)
+
     @property
     def issued(self) -> int:
         """Calls issued so far on this rank (the next one goes to lane ``issued % len(self)``)."""
         return self._issued
 
     def allreduce_async(
-        self, tensor: Any, ready: Callable[[], object] | None = None, tag: int = 0
+        self,
+        tensor: Any,
+        ready: Callable[[], object] | None = None,
+        tag: int = 0,
+        bits: int = 32,
+        residual: Any = None,
     ) -> concurrent.futures.Future[None]:
         """Session.allreduce_async on the next lane. A call refused for its argument (TypeError) still
         takes its lane's turn: the session aborts it on every rank, which the peers' same call meets."""
@@ -71,7 +79,7 @@ class Lanes:
             lane = self._issued % len(self.sessions)
             self._issued += 1
             try:
-                pending = self.sessions[lane].allreduce_async(tensor, ready, tag)
+                pending = self.sessions[lane].allreduce_async(tensor, ready, tag, bits, residual)
             except BaseException:
                 self._fail(lane, "a call was refused", SwitchaggAborted)
                 raise

@@ -47,6 +47,16 @@ def _as_array(tensor: Any) -> np.ndarray:
     return tensor
 
 
+def _as_wire_array(tensor: Any, bits: int) -> np.ndarray:
+    """``_as_array``, and a lane width the dtype can travel in."""
+    array = _as_array(tensor)
+    if bits not in protocol.WIRE_BITS or (bits != 32 and array.dtype != np.float32):
+        raise TypeError(
+            f"lanes of {bits} bits are not for {array.dtype} (32 for int32; 32, 16 or 8 for float32)"
+        )
+    return array
+
+
 def _configure(
     w: _core.Worker,
     shard: Shard,
@@ -348,7 +358,11 @@ class Session:
         address: tuple[str, int] = self._worker.address
         return address
 
-    def allreduce(self, tensor: Any, tag: int = 0) -> None:
+    def values_per_packet(self, bits: int = 32) -> int:
+        """Values one packet carries in lanes of ``bits`` (a call's chunk): K, or more for narrow lanes."""
+        return protocol.lanes_per_packet(self.k, bits)
+
+    def allreduce(self, tensor: Any, tag: int = 0, bits: int = 32, residual: Any = None) -> None:
         """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly).
 
         Every call is numbered; the aggregator sums only contributions of the same call (number,
@@ -358,62 +372,91 @@ class Session:
 
         ``tag``: a 32-bit digest of the caller's own call (0: none), mixed into the call's identity, so a
         layer that cuts its calls into several (torch's staging) makes every piece carry its parent's
-        identity: ranks whose tags differ fail the call as a mismatch."""
+        identity: ranks whose tags differ fail the call as a mismatch.
+
+        ``bits``: the lanes a float32 tensor travels in, 32, 16 or 8 (docs/PROTOCOL.md, Narrow lanes: one
+        scale per 32 values, stochastic rounding, within ``protocol.lane_error_bound``); part of the call's
+        identity. ``residual`` (narrow lanes only; float32 of the tensor's size, or None): error feedback,
+        added to the tensor before it is quantized and left holding what rounding took from it, for the
+        next call of the same tensor."""
         if self._closed:
             raise _core.SwitchaggError("the session is closed")
-        array = self._checked(tensor, tag)
+        array = self._checked(tensor, tag, bits)
+        res = self._residual(residual, array, bits)
         with self._lock:
-            self._reduce(array, tag)
+            self._reduce(array, tag, bits, res)
 
-    def _checked(self, tensor: Any, tag: int = 0) -> np.ndarray:
+    def _checked(self, tensor: Any, tag: int = 0, bits: int = 32) -> np.ndarray:
         """``tensor`` as an array, or the call aborted on every rank and the argument error raised."""
         try:
-            return _as_array(tensor)
+            return _as_wire_array(tensor, bits)
         except TypeError as exc:
             with self._lock:
-                self._abort(tensor, tag)
+                self._abort(tensor, tag, bits if bits in protocol.WIRE_BITS else 32)
             raise TypeError(f"{exc} (this call was aborted on every rank of job {self.job})") from None
 
-    def _abort(self, tensor: Any, tag: int = 0) -> None:
+    @staticmethod
+    def _residual(residual: Any, array: np.ndarray, bits: int) -> np.ndarray | None:
+        """The error-feedback buffer as a flat float32 view (None for 32-bit lanes: they round to nearest)."""
+        if residual is None or bits == 32:
+            return None
+        res = _as_array(residual)
+        if res.dtype != np.float32 or res.size != array.size:
+            raise ValueError(
+                f"residual must be float32 of {array.size} elements, not {res.dtype} of {res.size}"
+            )
+        return res.reshape(-1)
+
+    def _abort(self, tensor: Any, tag: int = 0, bits: int = 32) -> None:
         """Give up this call so that every peer fails it too, not pair with this rank's next call."""
         numel = getattr(tensor, "numel", None)  # torch; numpy has .size
         total = numel() if callable(numel) else getattr(tensor, "size", 0)
         kind = "i" if "int" in str(getattr(tensor, "dtype", "")) else "f"
         try:
             if self._stripes is None:
-                self._worker.abort(int(total or 0), kind, tag)
+                self._worker.abort(int(total or 0), kind, tag, bits)
                 return
-            bounds = shard_bounds(int(total or 0), self.k, len(self._workers))
+            bounds = shard_bounds(int(total or 0), self.values_per_packet(bits), len(self._workers))
             # Every shard aborts its part, so that the peers fail the call on each node.
-            self._stripes.run(lambda s, w: w.abort(max(1, bounds[s][1] - bounds[s][0]), kind, tag))
+            self._stripes.run(lambda s, w: w.abort(max(1, bounds[s][1] - bounds[s][0]), kind, tag, bits))
         except _core.SwitchaggError:
             pass  # broken already: the peers failed an earlier call
 
-    def _allreduce(self, flat: np.ndarray, kind: str, tag: int) -> None:
+    def _allreduce(self, flat: np.ndarray, kind: str, tag: int, bits: int, res: np.ndarray | None) -> None:
         if self._stripes is None:
-            self._worker.allreduce(flat, kind, tag)
+            self._worker.allreduce(flat, kind, tag, bits, res)
             return
-        bounds = shard_bounds(flat.size, self.k, len(self._workers))
+        bounds = shard_bounds(flat.size, self.values_per_packet(bits), len(self._workers))
         # Each shard is a call of its own on its node (an empty one too: call numbers stay in step); each
         # carries the whole call's length in its tag, so ranks whose tensors differ fail on every shard.
         whole = _stripe_tag(tag, flat.size, kind)
         what = f"{flat.size} {'float32' if kind == 'f' else 'int32'} elements"
-        self._stripes.run(lambda s, w: w.allreduce(flat[bounds[s][0] : bounds[s][1]], kind, whole), what)
 
-    def _reduce(self, array: np.ndarray, tag: int = 0) -> None:
+        def shard(s: int, w: _core.Worker) -> None:
+            lo, hi = bounds[s]
+            w.allreduce(flat[lo:hi], kind, whole, bits, None if res is None else res[lo:hi])
+
+        self._stripes.run(shard, what)
+
+    def _reduce(self, array: np.ndarray, tag: int = 0, bits: int = 32, res: np.ndarray | None = None) -> None:
         if self._metrics is None:
-            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag)
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag, bits, res)
             return
         t0 = time.perf_counter()
         try:
-            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag)
+            self._allreduce(array.reshape(-1), _KINDS[array.dtype], tag, bits, res)
         except _core.SwitchaggTimeout:
             self._metrics.timed_out(self)
             raise
         self._metrics.observe(self, time.perf_counter() - t0, array.nbytes)
 
     def allreduce_async(
-        self, tensor: Any, ready: Callable[[], object] | None = None, tag: int = 0
+        self,
+        tensor: Any,
+        ready: Callable[[], object] | None = None,
+        tag: int = 0,
+        bits: int = 32,
+        residual: Any = None,
     ) -> concurrent.futures.Future[None]:
         """``allreduce`` on the session's thread, after the calls queued before it. ``ready``, if given,
         runs on that thread just before the call (e.g. to wait for a device-to-host copy of ``tensor``);
@@ -423,24 +466,30 @@ class Session:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="switchagg")
         try:
-            array = _as_array(tensor)  # type errors surface now, not in the future
+            array = _as_wire_array(tensor, bits)  # type errors surface now, not in the future
         except TypeError as exc:
             # The abort takes this call's place in line, after the calls queued before it.
-            self._executor.submit(self._checked, tensor, tag)
+            self._executor.submit(self._checked, tensor, tag, bits)
             raise TypeError(f"{exc} (this call is aborted on every rank of job {self.job})") from None
-        return self._executor.submit(self._locked_reduce, array, ready, tag)
+        res = self._residual(residual, array, bits)
+        return self._executor.submit(self._locked_reduce, array, ready, tag, bits, res)
 
     def _locked_reduce(
-        self, array: np.ndarray, ready: Callable[[], object] | None = None, tag: int = 0
+        self,
+        array: np.ndarray,
+        ready: Callable[[], object] | None = None,
+        tag: int = 0,
+        bits: int = 32,
+        res: np.ndarray | None = None,
     ) -> None:
         with self._lock:
             if ready is not None:
                 try:
                     ready()
                 except BaseException:
-                    self._abort(array, tag)
+                    self._abort(array, tag, bits)
                     raise
-            self._reduce(array, tag)
+            self._reduce(array, tag, bits, res)
 
     def cancel(self, reason: str, cause: type[_core.SwitchaggError] = _core.SwitchaggError) -> None:
         """From any thread: end the call in progress and refuse every later one; the call raises

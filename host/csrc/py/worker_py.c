@@ -58,10 +58,11 @@ static PyObject *class_of(const struct sa_worker *w) {
 }
 
 /* One call with the GIL released; a failure is raised with the engine's reason, as its cause's class. */
-static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort, uint32_t tag) {
+static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
+                      float *residual) {
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = sa_worker_call(&self->w, kind, data, len, abort, tag);
+    rc = sa_worker_call(&self->w, kind, data, len, abort, tag, bits, residual);
     Py_END_ALLOW_THREADS;
     if (rc == SA_CALL_OK || abort) Py_RETURN_NONE; /* an abort always ends in a broken session */
     switch (rc) {
@@ -83,14 +84,29 @@ static int check_usable(Worker *self) {
     return -1;
 }
 
-/* allreduce(buffer, kind, tag=0): sum the buffer over all workers, in place. kind 'f' or 'i'. */
-static PyObject *worker_allreduce(Worker *self, PyObject *args) {
-    PyObject *obj;
-    int kind;
+/* The residual buffer of an allreduce in narrow lanes: len writable float32s. */
+static int get_residual(PyObject *obj, Py_buffer *view, size_t len) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return -1;
+    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "f") != 0 || (size_t)view->len != 4 * len) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "residual must be a contiguous float32 buffer of %zu elements", len);
+        return -1;
+    }
+    return 0;
+}
+
+/* allreduce(buffer, kind, tag=0, bits=32, residual=None): sum the buffer over all workers, in place. kind
+ * 'f' or 'i'; bits: the lanes on the wire (16 and 8 for 'f' only). */
+static PyObject *worker_allreduce(Worker *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"buffer", "kind", "tag", "bits", "residual", NULL};
+    PyObject *obj, *res_obj = Py_None;
+    int kind, bits = 32;
     unsigned int tag = 0;
-    if (!PyArg_ParseTuple(args, "OC|I", &obj, &kind, &tag)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OC|IiO", kwlist, &obj, &kind, &tag, &bits, &res_obj)) return NULL;
     if (check_usable(self) < 0) return NULL;
     if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
+    if (bits != 32 && bits != 16 && bits != 8) return PyErr_Format(PyExc_ValueError, "bits must be 32, 16 or 8, not %d", bits);
+    if (bits != 32 && kind != 'f') return PyErr_Format(PyExc_ValueError, "int32 calls travel in 32-bit lanes only");
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
     if (view.len % 4 != 0) {
@@ -101,32 +117,43 @@ static PyObject *worker_allreduce(Worker *self, PyObject *args) {
         PyBuffer_Release(&view);
         return PyErr_Format(PyExc_ValueError, "tensors above 2^32 elements are not supported");
     }
-    PyObject *res = call(self, (char)kind, view.buf, (size_t)view.len / 4, 0, tag);
+    Py_buffer rview = {0};
+    int with_residual = res_obj != Py_None;
+    if (with_residual && get_residual(res_obj, &rview, (size_t)view.len / 4) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *res = call(self, (char)kind, view.buf, (size_t)view.len / 4, 0, tag, bits,
+                         with_residual ? (float *)rview.buf : NULL);
+    if (with_residual) PyBuffer_Release(&rview);
     PyBuffer_Release(&view);
     return res;
 }
 
-/* abort(total, kind): give up the next call after a local error, so that every peer fails it too:
+/* abort(total, kind, tag=0, bits=32): give up the next call after a local error, so that every peer fails it too:
  * one ABORT on chunk 0's slot, resent until its (poisoned) round completes or the timeout passes.
  * The session is unusable afterwards, as are the peers'. */
 static PyObject *worker_abort(Worker *self, PyObject *args) {
     unsigned long long total;
     int kind;
     unsigned int tag = 0;
-    if (!PyArg_ParseTuple(args, "KC|I", &total, &kind, &tag)) return NULL;
+    int bits = 32;
+    if (!PyArg_ParseTuple(args, "KC|Ii", &total, &kind, &tag, &bits)) return NULL;
     if (check_usable(self) < 0) return NULL;
     if (kind != 'f' && kind != 'i') return PyErr_Format(PyExc_ValueError, "kind must be 'f' or 'i'");
-    return call(self, (char)kind, NULL, total > UINT32_MAX ? UINT32_MAX : (size_t)total, 1, tag);
+    if (bits != 32 && bits != 16 && bits != 8) return PyErr_Format(PyExc_ValueError, "bits must be 32, 16 or 8, not %d", bits);
+    return call(self, (char)kind, NULL, total > UINT32_MAX ? UINT32_MAX : (size_t)total, 1, tag, bits, NULL);
 }
 
 static PyObject *worker_stats(Worker *self, PyObject *unused) {
     const struct sa_worker_stats *s = &self->w.stats;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent, "retransmits",
                          s->retransmits, "fast_retransmits", s->fast_retransmits, "spurious_retransmits",
                          s->spurious, "tail_probes", s->tail_probes, "spurious_probes", s->spurious_probes,
                          "timeouts", s->timeouts, "gso_sends", s->gso_sends, "gro_receives", s->gro_receives,
                          "results", s->results, "stale", s->stale, "bad_key", s->bad_key,
-                         "allreduces", s->allreduces, "bytes_sent", s->bytes, "call", self->w.call);
+                         "allreduces", s->allreduces, "bytes_sent", s->bytes, "bytes_lanes32", s->lane_bytes[0],
+                         "bytes_lanes16", s->lane_bytes[1], "bytes_lanes8", s->lane_bytes[2], "call", self->w.call);
 }
 
 /* cancel(reason, cause=SwitchaggError): from any thread, end the call in progress and refuse later ones;
@@ -176,11 +203,12 @@ static PyMethodDef worker_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))worker_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(agg_host, agg_port, job, rank, n, slot_base, slot_count, k, rto=0.05, rto_max=1.0, timeout=10.0, "
      "key=0)"},
-    {"allreduce", (PyCFunction)worker_allreduce, METH_VARARGS,
-     "allreduce(buffer, kind, tag=0): in-place sum, GIL released; tag: the caller's digest of its own call, "
-     "part of the call's identity."},
+    {"allreduce", (PyCFunction)(void (*)(void))worker_allreduce, METH_VARARGS | METH_KEYWORDS,
+     "allreduce(buffer, kind, tag=0, bits=32, residual=None): in-place sum, GIL released; tag: the caller's digest "
+     "of its own call, part of the call's identity; bits: 32, or 16/8 lanes for float32 (docs/PROTOCOL.md, Narrow "
+     "lanes); residual: float32 of the buffer's length, added first and left holding this rank's rounding error."},
     {"abort", (PyCFunction)worker_abort, METH_VARARGS,
-     "abort(total, kind, tag=0): give up the next call after a local error; every peer fails that call too."},
+     "abort(total, kind, tag=0, bits=32): give up the next call after a local error; every peer fails that call too."},
     {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
     {"cancel", (PyCFunction)worker_cancel, METH_VARARGS,
      "cancel(reason, cause=SwitchaggError): from any thread, end the call in progress (raising cause with the "

@@ -135,8 +135,8 @@ struct rank_arg {
 
 static void *run_rank(void *p) {
     struct rank_arg *r = p;
-    r->rc_int = sa_worker_call(&r->w, 'i', r->ints, INTS, 0, 0);
-    r->rc_float = sa_worker_call(&r->w, 'f', r->floats, FLOATS, 0, 0);
+    r->rc_int = sa_worker_call(&r->w, 'i', r->ints, INTS, 0, 0, 32, NULL);
+    r->rc_float = sa_worker_call(&r->w, 'f', r->floats, FLOATS, 0, 0, 32, NULL);
     return NULL;
 }
 

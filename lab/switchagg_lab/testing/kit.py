@@ -115,3 +115,47 @@ def allreduce_all(sessions: Sequence[Any], tensors: Sequence[Any], timeout: floa
         t.join(timeout)
     assert not errors, errors
     assert not any(t.is_alive() for t in runs), f"an allreduce still runs after {timeout:g} s"
+
+
+def local_sessions(
+    agg: Any,
+    n: int,
+    *,
+    k: int = 256,
+    slots: int = 8,
+    job: int = 1,
+    slot_base: int = 0,
+    timeout: float = 5.0,
+    key: int = 0x5EC12E7,
+) -> list[Any]:
+    """n Sessions of one job on a started SoftwareAggregator ``agg`` in this process, the job installed
+    with their addresses and ``key``."""
+    from switchagg import Session
+
+    sessions = [
+        Session(job, r, n, agg.address, slot_base, slots, k, timeout=timeout, key=key) for r in range(n)
+    ]
+    agg._agg.add_job(job, n, slot_base, slots, k, 1, [s.local_address for s in sessions], key=key)
+    return sessions
+
+
+def on_every_rank(
+    sessions: Sequence[Any], work: Callable[[int, Any], Any], timeout: float = 60.0
+) -> list[Any]:
+    """Runs work(rank, session) on one thread per rank (the C path releases the GIL); returns each
+    rank's result or the exception it raised. Bounded: a thread that hangs fails the test."""
+    out: list[Any] = [None] * len(sessions)
+
+    def run(r: int) -> None:
+        try:
+            out[r] = work(r, sessions[r])
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(sessions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank hung"
+    return out

@@ -48,7 +48,10 @@ def _bad_frames(
     # reason -> (sending endpoint, frame)
     bad: dict[str, list[tuple[int, bytes]]] = {
         "bad_version": [(3, data_frame(e[3], pkt(rank=1, version=1)))],
-        "bad_type": [(3, data_frame(e[3], pkt(rank=1, type=protocol.MSG_RESULT)))],
+        "bad_type": [
+            (3, data_frame(e[3], pkt(rank=1, type=protocol.MSG_RESULT))),
+            (3, data_frame(e[3], pkt(rank=1, flags=protocol.FLAG_FLOAT | protocol.LANE_FLAGS))),  # no width
+        ],
         "unknown_job": [(3, data_frame(e[3], pkt(rank=1, job=999)))],
         "bad_rank": [(3, data_frame(e[3], pkt(rank=2)))],
         "spoofed": [

@@ -8,7 +8,16 @@ from typing import Any
 
 import pytest
 
-from switchagg.conformance import Install, Remove, Send, VectorError, load_vector, load_vectors, parse_vector
+from switchagg.conformance import (
+    Install,
+    Remove,
+    Send,
+    VectorError,
+    describe,
+    load_vector,
+    load_vectors,
+    parse_vector,
+)
 from switchagg.protocol import HEADER_LEN, MSG_RESULT, Header
 
 K = 4
@@ -81,6 +90,19 @@ def test_packets_are_built_from_the_spec() -> None:
     assert v.drops["truncated"] == 0
 
 
+def test_narrow_lanes_are_packed_big_endian_after_the_scale_words() -> None:
+    """K = 4: 16-bit lanes, one scale word and 6 lanes; 8-bit lanes, one scale word and 12 lanes."""
+    v16 = {"lanes16": [0x7FFF, -1, 2], "scales": [0x80, 0xFF]}
+    v8 = {"lanes8": {"fill": -2}, "scales": {"fill": 1}}
+    steps = [send(values=v16, flags=0x12), send(values=v8, flags=0x22)]
+    p16, p8 = (s.payload[HEADER_LEN:] for s in parse(vec(steps)).sends)
+    assert p16 == bytes.fromhex("80ff0000 7fffffff 00020000 00000000")
+    assert p8 == bytes.fromhex("01010101") + b"\xfe" * 12
+    assert describe(parse(vec(steps)).sends[0].payload).endswith(
+        "scales=[128, 255, 0, 0] lanes16=[32767, -1, 2, 0, 0, 0]"
+    )
+
+
 def test_overrides_make_malformed_packets() -> None:
     steps = [send(elems=0), send(truncate=10), send(extra=3, version=1, type=2), send(job=8), send(rank=1)]
     p = [s.payload for s in parse(vec(steps)).sends]
@@ -100,6 +122,12 @@ REINSTALL = [{"remove": 7}, {"install": job(7, 16, 4, 2)}]
     [
         (vec([send(values={"fill": 2**31})]), "not an int32"),
         (vec([send(values=[1, 2])]), "needs k=4 entries"),
+        (vec([send(values={"lanes16": [2**15]})]), "lane 0 = 32768 is not in -32768..32767"),
+        (vec([send(values={"lanes8": [0] * 13})]), "lane list needs at most 12 entries"),
+        (vec([send(values={"lanes8": [], "scales": [256]})]), "scale 0 = 256 is not in 0..255"),
+        (vec([send(values={"lanes8": [], "scales": [0] * 5})]), "scale list needs at most 4 entries"),
+        (vec([send(values={"lanes8": [], "exp": 1})]), "unknown keys"),
+        (vec([send(values={"lanes8": [], "lanes16": []})]), "values must be"),
         (vec([send(colour=1)]), "unknown keys"),
         (vec([{"send": {"from": 0, "job": 7, "slot": 16}}]), "'expect' must be a list"),
         (vec([{"send": {"from": 0, "job": 7}, "expect": []}]), "missing 'slot'"),

@@ -33,6 +33,8 @@ from switchagg.protocol import (
     HEADER_FORMAT,
     HEADER_LEN,
     IDENTITY_FLAGS,
+    LANE_BITS,
+    LANE_FLAGS,
     MISMATCH_INFO_LEN,
     MSG_DATA,
     MSG_RESULT,
@@ -41,6 +43,7 @@ from switchagg.protocol import (
     POOL_SLOT_MASK,
     VERSION,
     Header,
+    scale_words,
 )
 
 
@@ -66,11 +69,15 @@ TWO_LEVEL = load_vectors(two_level_vector_dir())
 class SwitchModel:
     """One job table and one register pool for all jobs; endpoints stand for ingress ports."""
 
-    def __init__(self, k: int, check_generation: bool = True, resend_partial: str = "first") -> None:
+    def __init__(
+        self, k: int, check_generation: bool = True, resend_partial: str = "first", lanes: bool = True
+    ) -> None:
         """``resend_partial``: which local ranks' resends re-send a waiting leaf's partial: "first"
-        (the lowest, as specified), "any" or "none" (the last two for showing the vectors notice)."""
+        (the lowest, as specified), "any" or "none" (the last two for showing the vectors notice).
+        ``lanes=False`` adds narrow-lane payloads as int32 words (to show the vectors notice)."""
         self.k = k
         self.check_generation = check_generation
+        self.lanes = lanes
         self.resend_partial = resend_partial
         self.slots = [Slot() for _ in range(1024)]
         self.jobs: dict[int, JobSpec] = {}
@@ -97,6 +104,8 @@ class SwitchModel:
         )
         if version != VERSION:
             return self._drop("bad_version")
+        if flags & LANE_FLAGS == LANE_FLAGS:  # LANES = 0x30 names no lane width
+            return self._drop("bad_type")
         if type_ == MSG_RESULT:
             return self._receive_result(endpoint, pkt)
         if type_ != MSG_DATA:
@@ -140,8 +149,8 @@ class SwitchModel:
                     slot.value[s] = [_i32(v) for v in info[:MISMATCH_INFO_LEN]] + slot.value[s][
                         MISMATCH_INFO_LEN:
                     ]
-                elif not slot.poison[s]:
-                    slot.value[s] = [_i32(a + b) for a, b in zip(slot.value[s], payload, strict=True)]
+                elif not slot.poison[s]:  # the round's lanes: a contribution that adds has its identity
+                    slot.value[s] = _add(slot.value[s], payload, slot.flags[s] if self.lanes else 0)
                 slot.poison[s] |= poison
                 slot.exp[s] = max(slot.exp[s], exp)
                 slot.count[s] += 1
@@ -222,6 +231,23 @@ def _i32(v: int) -> int:
     return (v + 2**31) % 2**32 - 2**31
 
 
+def _add(old: list[int], new: list[int], flags: int) -> list[int]:
+    """old + new as the data plane adds payloads: int32 words for 32-bit lanes; for narrow lanes
+    (docs/PROTOCOL.md, Narrow lanes) byte by byte, unlike the switch's word arithmetic: the scale
+    bytes' unsigned max, then each lane's sum wrapped to its width."""
+    bits = LANE_BITS[flags & LANE_FLAGS]
+    if bits == 32:
+        return [_i32(a + b) for a, b in zip(old, new, strict=True)]
+    k, width = len(old), bits // 8
+    a, b = (struct.pack(f"!{k}i", *words) for words in (old, new))
+    head = 4 * scale_words(k, bits)
+    out = bytearray(max(x, y) for x, y in zip(a[:head], b[:head], strict=True))
+    for at in range(head, 4 * k, width):
+        lane = int.from_bytes(a[at : at + width], "big") + int.from_bytes(b[at : at + width], "big")
+        out += (lane % (1 << bits)).to_bytes(width, "big")
+    return list(struct.unpack(f"!{k}i", out))
+
+
 def run_on_model(vector: Vector, model: SwitchModel) -> None:
     for job in vector.jobs:
         model.install(job)
@@ -264,6 +290,15 @@ def test_two_level_vectors_catch_a_leaf_that_resends_its_partial_wrongly(resend:
     (v,) = [v for v in TWO_LEVEL if v.name == "leaf_retransmission"]
     with pytest.raises(AssertionError, match=f"leaf_retransmission step {step} "):
         run_on_model(v, SwitchModel(v.k, resend_partial=resend))
+
+
+@pytest.mark.parametrize("name", ["lanes16", "lanes8", "leaf_lanes"])
+def test_vectors_catch_int32_adds_of_narrow_lanes(name: str) -> None:
+    """A data plane that adds narrow payloads as int32 words carries from lane to lane and adds scale
+    bytes instead of taking their max."""
+    (v,) = [v for v in VECTORS + TWO_LEVEL if v.name == name]
+    with pytest.raises(AssertionError, match=f"{name} step 1 "):
+        run_on_model(v, SwitchModel(v.k, lanes=False))
 
 
 def test_vectors_catch_a_missing_generation_check() -> None:

@@ -177,3 +177,19 @@ def test_a_striped_call_in_8_bit_lanes_sums_every_shard() -> None:
     finally:
         for a in aggs:
             a.stop()
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_smallest_blocks_are_summed_not_made_nan(aggregator: SoftwareAggregator, bits: int) -> None:
+    """Blocks whose largest value is as small as float32's normal range goes (E = -126) or a few binades
+    above it, where 2^-E * M overflows float32: finite sums within the bound and finite residuals (their
+    NaN once reached a DDP model's weights through error feedback)."""
+    sessions = local_sessions(aggregator, N, k=361)
+    rng = np.random.default_rng(7)
+    scales = np.repeat(2.0 ** np.arange(-126, -100, dtype=np.float64), protocol.SCALE_BLOCK)
+    xs = [(rng.uniform(-1, 1, scales.size) * scales).astype(np.float32) for _ in range(N)]
+    residuals = [np.zeros_like(x) for x in xs]
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    results = _allreduce(sessions, xs, bits, residuals)
+    assert np.all(np.isfinite(results[0])) and all(np.all(np.isfinite(r)) for r in residuals)
+    assert np.all(np.abs(results[0] - exact) <= _bounds(xs, 361, bits))

@@ -89,11 +89,26 @@ def test_p4_constants_match_protocol_py() -> None:
     for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "P4_K", "P4_NUM_SLOTS", "POOL_SLOT_MASK"):
         assert p4[name] == getattr(protocol, name), name
     assert p4["AGG_UDP_LEN"] == 8 + protocol.packet_len(protocol.P4_K)
-    for name in ("FLAG_PRIME", "FLAG_FLOAT", "FLAG_ABORT", "FLAG_MISMATCH", "IDENTITY_FLAGS", "POISON_FLAGS"):
+    for name in (
+        *("FLAG_PRIME", "FLAG_FLOAT", "FLAG_ABORT", "FLAG_MISMATCH", "FLAG_LANE16", "FLAG_LANE8"),
+        *("LANE_FLAGS", "IDENTITY_FLAGS", "POISON_FLAGS"),
+    ):
         assert p4[name] == getattr(protocol, name), name
     for reason, index in protocol.DROP_INDEX.items():
         assert p4[f"DROP_{reason.upper()}"] == index, reason
     assert p4["NUM_DROP_REASONS"] == len(protocol.DROP_REASONS)
+
+
+def test_p4_lane_arithmetic_matches_protocol_py() -> None:
+    """aggregate.p4 fixes the narrow lanes' layout for P4_K: the unsigned byte max in word 0 for 16- and
+    8-bit lanes and in word 1 too for 8-bit ones (scale_words), the lanes' sign bits H elsewhere."""
+    assert protocol.scale_words(protocol.P4_K, 16) == 1 and protocol.scale_words(protocol.P4_K, 8) == 2
+    text = (ROOT / "p4/include/aggregate.p4").read_text()
+    assert "VALUE_UPDATE_INFO(0, info_rank, scale0)" in text and "bool scale0 = lanes != 0;" in text
+    assert "VALUE_UPDATE_INFO(1, info_call, scale1)" in text and "bool scale1 = lanes == FLAG_LANE8;" in text
+    assert "VALUE_UPDATE_INFO(2, info_total, false)" in text
+    for bits, h in ((16, 0x80008000), (8, 0x80808080)):
+        assert f"FLAG_LANE{bits} ? 32w{h:#010X}".replace("0X", "0x") in text, bits
 
 
 def test_p4_job_counters_match_protocol_py() -> None:

@@ -9,6 +9,7 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
 from switchagg import protocol
+from switchagg.conformance import pack_lanes
 from switchagg.scapy_layer import Agg, from_header
 
 
@@ -81,3 +82,24 @@ def test_a_full_software_datagram_dissects() -> None:
     values = list(range(-5, protocol.MAX_K - 5))
     back = Agg(protocol.Header(job=1, rank=0, slot=0, values=values).pack())
     assert back.values == values and back.elems == protocol.MAX_K
+
+
+@pytest.mark.parametrize(("bits", "lanes"), [(16, [0x7FFF, -1, -0x8000, 5]), (8, [0x7F, -1, -0x80, 5])])
+def test_narrow_lanes_show_their_width_scales_and_lanes(bits: int, lanes: list[int]) -> None:
+    scales = [0x80, 0x7F, 0xFF]
+    words = pack_lanes(lanes, scales, protocol.P4_K, bits)
+    flags = protocol.FLAG_FLOAT | protocol.LANE_FLAG[bits]
+    pkt = Agg(protocol.Header(job=1, rank=0, slot=0, flags=flags, values=words).pack())
+    assert pkt.lane_bits() == bits and f"LANE{bits}" in str(pkt.flags)
+    assert pkt.mysummary().endswith(f"lanes={bits}")
+    got_scales, got_lanes = pkt.narrow()
+    assert got_scales == scales + [0] * (4 * protocol.scale_words(protocol.P4_K, bits) - 3)
+    assert got_lanes == lanes + [0] * (protocol.lanes_per_packet(protocol.P4_K, bits) - 4)
+
+
+def test_lanes_0x30_name_no_width() -> None:
+    pkt = Agg(protocol.Header(job=1, rank=0, slot=0, flags=protocol.LANE_FLAGS, values=[0] * 4).pack())
+    assert pkt.lane_bits() is None and pkt.mysummary().endswith("lanes=none")
+    with pytest.raises(ValueError, match="no narrow lanes"):
+        pkt.narrow()
+    assert Agg(values=[1]).lane_bits() == 32 and "lanes" not in Agg(values=[1]).mysummary()

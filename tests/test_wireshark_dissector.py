@@ -24,6 +24,7 @@ from scapy.packet import Raw
 from scapy.utils import rdpcap, wrpcap
 
 from switchagg import demo, protocol
+from switchagg.conformance import pack_lanes, unpack_lanes
 from switchagg.scapy_layer import Agg
 from switchagg_lab.testbed import netns, tools
 
@@ -37,6 +38,9 @@ needs_tshark = pytest.mark.skipif(
 # tshark -T fields columns: (field, how to read it); the header's fields come from protocol.py.
 FIELDS = [f"switchagg.{name}" for name in protocol.HEADER_FIELDS] + [
     "switchagg.flags.prime",
+    "switchagg.flags.lane16",
+    "switchagg.flags.lane8",
+    "switchagg.lanes",
     "switchagg.pool.shadow",
     "switchagg.pool.slot",
     "switchagg.values",
@@ -105,6 +109,9 @@ def _expected(h: protocol.Header) -> dict[str, Any]:
     fields = {**names, **{k: getattr(h, k) for k in names if k != "pool"}, "pool": pool}
     row: dict[str, Any] = {f"switchagg.{k}": v for k, v in fields.items()}
     row["switchagg.flags.prime"] = 1 if h.flags & protocol.FLAG_PRIME else 0
+    row["switchagg.flags.lane16"] = 1 if h.flags & protocol.FLAG_LANE16 else 0
+    row["switchagg.flags.lane8"] = 1 if h.flags & protocol.FLAG_LANE8 else 0
+    row["switchagg.lanes"] = protocol.LANE_BITS.get(h.flags & protocol.LANE_FLAGS, 0)  # 0: LANES = 0x30
     row["switchagg.pool.shadow"] = h.shadow
     row["switchagg.pool.slot"] = h.slot
     row["switchagg.values"] = len(h.values)
@@ -123,7 +130,8 @@ def test_every_field_is_registered() -> None:
         [TSHARK, "-G", "fields", "-X", f"lua_script:{LUA}"], capture_output=True, text=True, timeout=60
     )
     registered = {line.split("\t")[2] for line in p.stdout.splitlines() if line.startswith("F\t")}
-    for field in [*FIELDS, "switchagg.value", "switchagg.bad_version", "switchagg.truncated"]:
+    extra = ["switchagg.value", "switchagg.scale", "switchagg.lane16", "switchagg.lane8"]
+    for field in [*FIELDS, *extra, "switchagg.bad_version", "switchagg.truncated"]:
         assert field in registered, field
 
 
@@ -173,6 +181,7 @@ def test_malformed_packets_get_the_aggregators_drop_reason(tmp_path: Path) -> No
     cases = {
         f"version 9, expected {protocol.VERSION}": protocol.Header(**{**good.__dict__, "version": 9}).pack(),
         "type 7 is neither DATA nor RESULT": protocol.Header(**{**good.__dict__, "type": 7}).pack(),
+        "LANES 0x30 names no lane width": protocol.Header(**{**good.__dict__, "flags": 0x32}).pack(),
         "elems says 4 values, the payload has 12 bytes": good.pack()[:-4],
         "elems says 4 values, the payload has 18 bytes": good.pack() + b"\x00\x01",
         f"10 bytes, shorter than the {protocol.HEADER_LEN}-byte header": good.pack()[:10],
@@ -181,7 +190,43 @@ def test_malformed_packets_get_the_aggregators_drop_reason(tmp_path: Path) -> No
     rows = _decode(tmp_path / "bad.pcap")
     for frame, message in enumerate(cases, start=1):
         assert rows[frame]["expert"] == message, f"frame {frame}"
-    assert rows[4]["values"] == [1, 2, 3, 4]  # two trailing bytes are not a value
+    assert rows[5]["values"] == [1, 2, 3, 4]  # two trailing bytes are not a value
+
+
+@needs_tshark
+def test_narrow_lanes_decode_as_scale_bytes_and_lanes(tmp_path: Path) -> None:
+    """docs/PROTOCOL.md, Narrow lanes: at K = 64, 4 scale bytes and 126 16-bit lanes, 8 and 248 8-bit
+    ones; the int32 words stay listed as .value (what the data plane adds word by word)."""
+    scales = [0x80, 0x7F, 0xFF]
+    cases = {16: [32767, -1, -32768, 5], 8: [127, -1, -128, 5]}
+    headers = [
+        protocol.Header.unpack(
+            protocol.Header(
+                job=3, rank=1, slot=7, flags=protocol.FLAG_FLOAT | protocol.LANE_FLAG[bits], values=words
+            ).pack()
+        )
+        for bits, lanes in cases.items()
+        for words in [pack_lanes(lanes, scales, protocol.P4_K, bits)]
+    ]
+    wrpcap(str(tmp_path / "narrow.pcap"), [_udp(h.pack()) for h in headers])
+    rows = _decode(tmp_path / "narrow.pcap")
+    columns = ["frame.number", "switchagg.scale", "switchagg.lane16", "switchagg.lane8"]
+    out = _tshark(
+        tmp_path / "narrow.pcap",
+        *("-T", "fields", "-E", "separator=/t", "-E", "occurrence=a", "-E", "aggregator=,"),
+        *[arg for c in columns for arg in ("-e", c)],
+    )
+    for frame, (line, h) in enumerate(zip(out.splitlines(), headers, strict=True), start=1):
+        got = rows[frame]
+        assert got.pop("expert") == "" and got == _expected(h), f"frame {frame}"
+        bits = protocol.LANE_BITS[h.flags & protocol.LANE_FLAGS]
+        cells = dict(zip(columns, line.split("\t"), strict=True))
+        want_scales, want_lanes = unpack_lanes(h.values, bits)
+        assert [int(s) for s in cells["switchagg.scale"].split(",")] == want_scales
+        assert [int(v) for v in cells[f"switchagg.lane{bits}"].split(",")] == want_lanes
+        assert want_lanes[:4] == cases[bits] and len(want_lanes) == protocol.lanes_per_packet(64, bits)
+    info = _tshark(tmp_path / "narrow.pcap")
+    assert "[FLOAT,LANE16] lanes=16" in info and "[FLOAT,LANE8] lanes=8" in info
 
 
 # --- a real capture -----------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from switchagg.protocol import (
     EXP_NONE,
     HEADER_LEN,
     JOB_COUNTERS,
+    LANE_BITS,
+    LANE_FLAGS,
     LEAF_COUNTERS,
     MAX_K,
     MAX_WORKERS,
@@ -33,6 +35,8 @@ from switchagg.protocol import (
     P4_NUM_SLOTS,
     VERSION,
     Header,
+    lanes_per_packet,
+    scale_words,
 )
 
 INT32_MIN = -(2**31)
@@ -59,6 +63,7 @@ _SEND_KEYS = {
     "key",
 }
 _OVERRIDE_KEYS = {"version", "type", "elems", "truncate", "extra"}
+_LANE_KEYS = {"lanes16": 16, "lanes8": 8}  # a narrow-lane payload's key -> its lane width
 _EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values", "call", "total"}
 
 
@@ -168,27 +173,80 @@ def _check_keys(obj: Any, allowed: set[str], where: str) -> Mapping[str, Any]:
     return obj
 
 
-def expand_values(spec: Any, k: int, where: str) -> list[int]:
-    """``{"fill": v}``, ``{"ramp": [start, step]}`` or an explicit list of k int32 values."""
+def _sequence(
+    spec: Any, n: int, where: str, what: str, lo: int, hi: int, short_ok: bool = False
+) -> list[int]:
+    """``{"fill": v}``, ``{"ramp": [start, step]}`` or an explicit list: n integers in lo..hi (a list
+    that is ``short_ok`` may have fewer, the rest being 0)."""
     if isinstance(spec, list):
-        values = spec
-        if len(values) != k:
-            raise VectorError(f"{where}: an explicit value list needs k={k} entries, got {len(values)}")
+        values = list(spec)
+        if len(values) > n or (len(values) < n and not short_ok):
+            need = f"at most {n}" if short_ok else f"k={n}"
+            raise VectorError(f"{where}: an explicit {what} list needs {need} entries, got {len(values)}")
+        values += [0] * (n - len(values))
     elif isinstance(spec, dict) and set(spec) == {"fill"}:
-        values = [spec["fill"]] * k
+        values = [spec["fill"]] * n
     elif isinstance(spec, dict) and set(spec) == {"ramp"}:
         ramp = spec["ramp"]
         if not (isinstance(ramp, list) and len(ramp) == 2 and all(isinstance(x, int) for x in ramp)):
             raise VectorError(f"{where}: ramp must be [start, step], got {ramp!r}")
-        values = [ramp[0] + i * ramp[1] for i in range(k)]
+        values = [ramp[0] + i * ramp[1] for i in range(n)]
     else:
         raise VectorError(
-            f"{where}: values must be {{'fill': v}}, {{'ramp': [start, step]}} or a list, got {spec!r}"
+            f"{where}: {what}s must be {{'fill': v}}, {{'ramp': [start, step]}} or a list, got {spec!r}"
         )
     for i, v in enumerate(values):
-        if not isinstance(v, int) or isinstance(v, bool) or not INT32_MIN <= v <= INT32_MAX:
-            raise VectorError(f"{where}: value {i} = {v!r} is not an int32")
-    return list(values)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            kind = "an int32" if (lo, hi) == (INT32_MIN, INT32_MAX) else f"in {lo}..{hi}"
+            raise VectorError(f"{where}: {what} {i} = {v!r} is not {kind}")
+    return values
+
+
+def pack_lanes(lanes: list[int], scales: list[int], k: int, bits: int) -> list[int]:
+    """A narrow-lane payload (docs/PROTOCOL.md, Narrow lanes) as its k int32 words: scale byte b at
+    payload byte b, lane i (big-endian two's complement) at byte 4X + i*bits/8, the rest 0."""
+    x, width = scale_words(k, bits), bits // 8
+    buf = bytearray(4 * k)
+    buf[: len(scales)] = bytes(scales)
+    for i, lane in enumerate(lanes):
+        at = 4 * x + i * width
+        buf[at : at + width] = lane.to_bytes(width, "big", signed=True)
+    return list(struct.unpack(f"!{k}i", buf))
+
+
+def unpack_lanes(values: list[int], bits: int) -> tuple[list[int], list[int]]:
+    """(scale bytes, lanes) of a narrow-lane payload of len(values) words: pack_lanes undone."""
+    k, width = len(values), bits // 8
+    raw = struct.pack(f"!{k}i", *values)
+    x = scale_words(k, bits)
+    lanes = [
+        int.from_bytes(raw[4 * x + i * width : 4 * x + (i + 1) * width], "big", signed=True)
+        for i in range(lanes_per_packet(k, bits))
+    ]
+    return list(raw[: 4 * x]), lanes
+
+
+def _expand_lanes(spec: Mapping[str, Any], k: int, where: str) -> list[int]:
+    """``{"lanes16" | "lanes8": lanes, "scales": [bytes]}``: lanes as values are (a list may be short:
+    the rest are 0), scales likewise, 4X bytes at most (default none), packed by pack_lanes."""
+    (key,) = set(spec) & set(_LANE_KEYS)
+    bits = _LANE_KEYS[key]
+    unknown = set(spec) - {key, "scales"}
+    if unknown:
+        raise VectorError(f"{where}: unknown keys {sorted(unknown)} in a {key} payload (allowed: scales)")
+    top = (1 << (bits - 1)) - 1
+    lanes = _sequence(spec[key], lanes_per_packet(k, bits), where, "lane", -top - 1, top, short_ok=True)
+    scale_bytes = 4 * scale_words(k, bits)
+    scales = _sequence(spec.get("scales", []), scale_bytes, where, "scale", 0, 255, short_ok=True)
+    return pack_lanes(lanes, scales, k, bits)
+
+
+def expand_values(spec: Any, k: int, where: str) -> list[int]:
+    """``{"fill": v}``, ``{"ramp": [start, step]}`` or an explicit list of k int32 values; or a
+    narrow-lane payload, ``{"lanes16": ..., "scales": [...]}`` (or ``lanes8``)."""
+    if isinstance(spec, dict) and len(set(spec) & set(_LANE_KEYS)) == 1:
+        return _expand_lanes(spec, k, where)
+    return _sequence(spec, k, where, "value", INT32_MIN, INT32_MAX)
 
 
 def _parse_job(obj: Any, where: str) -> JobSpec:
@@ -422,11 +480,17 @@ def describe(payload: bytes) -> str:
     h = Header.unpack(payload)
     vals = h.values
     shown = vals if len(vals) <= 4 else [*vals[:3], "...", vals[-1]]
-    return (
+    text = (
         f"v{h.version} type={h.type} flags={h.flags} exp={h.exp} job={h.job} rank={h.rank} slot={h.slot} "
         f"set={h.shadow} elems={h.elems} offset={h.offset} call={h.call} total={h.total} key={h.key:#x} "
         f"len={len(payload)} values={shown}"
     )
+    bits = LANE_BITS.get(h.flags & LANE_FLAGS, 32)
+    if bits != 32 and vals:  # the same words as scale bytes and lanes, which a vector names
+        scales, lanes = unpack_lanes(vals, bits)
+        shown_lanes = lanes if len(lanes) <= 12 else [*lanes[:11], "...", lanes[-1]]
+        text += f" scales={scales} lanes{bits}={shown_lanes}"
+    return text
 
 
 def check_counters(

@@ -4,6 +4,9 @@
 traffic from or to port 48879 dissects as ``Agg``. The number of values is not a header field
 the layer trusts: ``values`` takes whatever whole int32s follow (the header's ``elems`` is only
 filled from it when left unset), so truncated and padded packets can be built and inspected.
+
+Narrow lanes (docs/PROTOCOL.md, Narrow lanes): ``flags`` shows LANE16/LANE8, the summary the width,
+and ``narrow()`` reads the words as scale bytes and lanes (``conformance.pack_lanes`` builds them).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from scapy.layers.vxlan import VXLAN
 from scapy.packet import Packet, bind_layers, split_layers
 
 from . import protocol
+from .conformance import unpack_lanes
 
 
 class Agg(Packet):
@@ -74,10 +78,24 @@ class Agg(Packet):
         """The same packet as protocol.Header (the reference encoding)."""
         return protocol.Header.unpack(bytes(self))
 
+    def lane_bits(self) -> int | None:
+        """The payload's lane width from the LANES flags: 32, 16 or 8; None for LANES = 0x30 (no width:
+        the data plane drops the packet as bad_type)."""
+        return protocol.LANE_BITS.get(int(self.flags) & protocol.LANE_FLAGS)
+
+    def narrow(self) -> tuple[list[int], list[int]]:
+        """(scale bytes, lanes) of a narrow-lane payload: the same words as ``values``."""
+        bits = self.lane_bits()
+        if bits is None or bits == 32:
+            raise ValueError(f"flags {int(self.flags):#04x} name no narrow lanes")
+        return unpack_lanes(list(self.values), bits)
+
     def mysummary(self) -> Any:
-        return self.sprintf(
+        text = self.sprintf(
             "switchagg %type% job=%job% rank=%rank% slot=%slot%/%shadow% off=%offset% call=%call%"
         )
+        bits = self.lane_bits()
+        return text if bits == 32 else f"{text} lanes={bits or 'none'}"
 
 
 def _whole_words(pkt: Packet) -> int:

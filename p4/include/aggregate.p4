@@ -32,18 +32,27 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
     @name(".MyIngress.aggregated")
     counter(MAX_JOBS, CounterType.packets_and_bytes) aggregated;
 
+/* Narrow lanes (docs/PROTOCOL.md): a value word adds each lane on its own, wrapping within the
+ * lane (lane_h: the lanes' sign bits; 0x80000000 makes it the plain 32-bit add), and a scale word
+ * takes the unsigned max of each byte (masked bytes compare like the bytes themselves). */
+#define LANE_ADD(a, b) ((((a) & ~lane_h) + ((b) & ~lane_h)) ^ (((a) ^ (b)) & lane_h))
+#define BYTE_MAX(a, b, m) (((a) & (m)) > ((b) & (m)) ? ((a) & (m)) : ((b) & (m)))
+#define SCALE_MAX(a, b) (BYTE_MAX(a, b, 32w0xFF000000) | BYTE_MAX(a, b, 32w0x00FF0000) \
+                         | BYTE_MAX(a, b, 32w0x0000FF00) | BYTE_MAX(a, b, 32w0x000000FF))
+
 /* A poisoned round adds nothing more; the contribution that poisons it writes, into values 0..3,
  * who differed: from its payload if it carries that (an abort, a poisoned partial), else its
- * rank, call, total and flags. */
+ * rank, call, total and flags. Only values 0..3 can be scale words (scale: this one is). */
 #define VALUE_UPDATE(i) \
         values.read(old, base + i); \
-        sum = is_new ? (first ? hdr.vals.v##i : (adds ? old + hdr.vals.v##i : old)) : old; \
+        sum = is_new ? (first ? hdr.vals.v##i : (adds ? LANE_ADD(old, hdr.vals.v##i) : old)) : old; \
         values.write(base + i, sum); \
         hdr.vals.v##i = sum;
-#define VALUE_UPDATE_INFO(i, info) \
+#define VALUE_UPDATE_INFO(i, info, scale) \
         values.read(old, base + i); \
         sum = is_new ? (first ? hdr.vals.v##i \
-                      : (adds ? old + hdr.vals.v##i : (poisons ? (carries ? hdr.vals.v##i : (info)) : old))) \
+                      : (adds ? ((scale) ? SCALE_MAX(old, hdr.vals.v##i) : LANE_ADD(old, hdr.vals.v##i)) \
+                      : (poisons ? (carries ? hdr.vals.v##i : (info)) : old))) \
               : old; \
         values.write(base + i, sum); \
         hdr.vals.v##i = sum;
@@ -137,13 +146,22 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         round_flags.write(si, pf);
         poison.write(si, ps);
 
+        /* The round's lane width (a contribution that adds has the round's identity, LANES
+         * included). At P4_K = 64 a payload leads with scale_words(64, w) words of scale bytes:
+         * word 0 for 16- and 8-bit lanes, word 1 too for 8-bit ones. */
+        bit<8> lanes = pf & LANE_FLAGS;
+        bit<32> lane_h = lanes == FLAG_LANE16 ? 32w0x80008000
+                       : (lanes == FLAG_LANE8 ? 32w0x80808080 : 32w0x80000000);
+        bool scale0 = lanes != 0;
+        bool scale1 = lanes == FLAG_LANE8;
+
         bit<32> base = si * 64;
         bit<32> old;
         bit<32> sum;
-        VALUE_UPDATE_INFO(0, info_rank)
-        VALUE_UPDATE_INFO(1, info_call)
-        VALUE_UPDATE_INFO(2, info_total)
-        VALUE_UPDATE_INFO(3, info_flags)
+        VALUE_UPDATE_INFO(0, info_rank, scale0)
+        VALUE_UPDATE_INFO(1, info_call, scale1)
+        VALUE_UPDATE_INFO(2, info_total, false)
+        VALUE_UPDATE_INFO(3, info_flags, false)
         FOR_EACH_DATA_VALUE(VALUE_UPDATE)
 
         /* One level: complete when all n contributed. A leaf: when all m local ranks did; it
@@ -170,8 +188,9 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
 
     /* A leaf takes the spine's RESULT for a slot only as the answer to its partial: the slot is
      * of this installation, locally complete, not final yet, the result carries the job's key and
-     * the partial's identity (call, total, offset, PRIME/FLOAT). Then the result replaces the
-     * partial, its poison is kept, and the set is final. */
+     * the partial's identity (call, total, offset, PRIME/FLOAT/LANES). Then the result replaces
+     * the partial (narrow lanes too: the spine did the lane arithmetic), its poison is kept, and
+     * the set is final. */
     @name(".MyIngress.store_result")
     action store_result() {
         bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);

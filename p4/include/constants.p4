@@ -14,7 +14,11 @@ const bit<8>  FLAG_PRIME    = 0x01;
 const bit<8>  FLAG_FLOAT    = 0x02;
 const bit<8>  FLAG_ABORT    = 0x04;
 const bit<8>  FLAG_MISMATCH = 0x08;
-const bit<8>  IDENTITY_FLAGS = 0x03;    /* PRIME | FLOAT: part of a contribution's call identity */
+/* Bits 4-5: the payload's lane width (docs/PROTOCOL.md, Narrow lanes); both set names none. */
+const bit<8>  FLAG_LANE16   = 0x10;
+const bit<8>  FLAG_LANE8    = 0x20;
+const bit<8>  LANE_FLAGS    = 0x30;
+const bit<8>  IDENTITY_FLAGS = 0x33;    /* PRIME | FLOAT | LANES: part of a contribution's call identity */
 const bit<8>  POISON_FLAGS   = 0x0C;    /* ABORT | MISMATCH: the round carries no sum */
 
 const bit<16> AGG_UDP_LEN = 8 + 28 + 4 * 64;    /* UDP header + agg header + K values */

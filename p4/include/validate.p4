@@ -7,8 +7,8 @@
 
 #include "headers.p4"
 
-/* The header, the job (job table) and the rank. A RESULT is accepted only for a job aggregated
- * here as a leaf, from the spine (rank = this leaf's index). */
+/* The header (version, type, a lane width), the job (job table) and the rank. A RESULT is
+ * accepted only for a job aggregated here as a leaf, from the spine (rank = this leaf's index). */
 control ValidatePacket(inout headers_t hdr, inout metadata_t meta,
                        inout standard_metadata_t standard_metadata) {
 
@@ -62,8 +62,9 @@ control ValidatePacket(inout headers_t hdr, inout metadata_t meta,
             reject_for(meta, DROP_TRUNCATED);
         } else if (hdr.agg.version != VERSION) {
             reject_for(meta, DROP_BAD_VERSION);
-        } else if (hdr.agg.type != MSG_DATA && hdr.agg.type != MSG_RESULT) {
-            reject_for(meta, DROP_BAD_TYPE);
+        } else if ((hdr.agg.type != MSG_DATA && hdr.agg.type != MSG_RESULT)
+                || (hdr.agg.flags & LANE_FLAGS) == LANE_FLAGS) {
+            reject_for(meta, DROP_BAD_TYPE);    /* LANES = 0x30 names no lane width */
         } else {
             job_table.apply();
             bool data = hdr.agg.type == MSG_DATA;

@@ -9,6 +9,7 @@ tests/test_wireshark_dissector.py runs the check, and decodes a real capture wit
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import struct
 import sys
@@ -34,21 +35,23 @@ def header_fields() -> list[tuple[str, int, int, bool]]:
     return fields
 
 
-def _table(items: dict[int, str]) -> str:
-    return "{ " + ", ".join(f'[{k}] = "{v}"' for k, v in sorted(items.items())) + " }"
+def _table(items: dict[int, str] | dict[int, int]) -> str:
+    return "{ " + ", ".join(f"[{k}] = {json.dumps(v)}" for k, v in sorted(items.items())) + " }"
 
 
 def block() -> str:
     consts = {
         name: getattr(protocol, name)
         for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "FLAG_PRIME")
-        + ("POOL_SET_BIT", "POOL_SLOT_MASK", "EXP_NONE", "HEADER_LEN")
+        + ("POOL_SET_BIT", "POOL_SLOT_MASK", "EXP_NONE", "HEADER_LEN", "LANE_FLAGS", "SCALE_BLOCK")
     }
     lines = [BEGIN, "local C = {"]
     lines += [f"  {name} = {value}," for name, value in consts.items()]
     lines.append("}")
     lines.append(f"local MSG_NAMES = {_table(protocol.MSG_NAMES)}")
     lines.append(f"local FLAG_NAMES = {_table(protocol.FLAG_NAMES)}")
+    lines.append("-- the LANES flag bits -> the payload's lane width (LANES = 0x30: none)")
+    lines.append(f"local LANE_BITS = {_table(protocol.LANE_BITS)}")
     lines.append("-- the header's fields in wire order (offset and size in bytes; all big-endian)")
     lines.append("local HEADER = {")
     lines += [

@@ -5,9 +5,11 @@
 --
 -- Decodes UDP to and from port 48879 (the preference switchagg.udp_port changes it, or use
 -- Decode As ... switchagg on any UDP port). Filter fields: switchagg.version, .type, .flags,
--- .flags.prime (.float, .abort, .mismatch), .exp, .job, .rank, .pool, .pool.shadow, .pool.slot, .elems,
--- .offset, .call, .total, .key, .values
--- (how many int32 values the payload holds) and .value (each of them). Malformed packets get
+-- .flags.prime (.float, .abort, .mismatch, .lane16, .lane8), .exp, .job, .rank, .pool, .pool.shadow,
+-- .pool.slot, .elems, .offset, .call, .total, .key, .values
+-- (how many int32 values the payload holds) and .value (each of them); .lanes (the lane width: 32,
+-- 16 or 8), and for narrow lanes (docs/PROTOCOL.md, Narrow lanes) the same words again as .scale
+-- (each scale byte) and .lane16 or .lane8 (each lane). Malformed packets get
 -- expert info named after the aggregator's drop reasons (switchagg.bad_version, .bad_type,
 -- .truncated): the aggregator would drop them without changing any sum.
 
@@ -22,9 +24,13 @@ local C = {
   POOL_SLOT_MASK = 32767,
   EXP_NONE = -128,
   HEADER_LEN = 28,
+  LANE_FLAGS = 48,
+  SCALE_BLOCK = 32,
 }
 local MSG_NAMES = { [1] = "DATA", [2] = "RESULT" }
-local FLAG_NAMES = { [1] = "PRIME", [2] = "FLOAT", [4] = "ABORT", [8] = "MISMATCH" }
+local FLAG_NAMES = { [1] = "PRIME", [2] = "FLOAT", [4] = "ABORT", [8] = "MISMATCH", [16] = "LANE16", [32] = "LANE8" }
+-- the LANES flag bits -> the payload's lane width (LANES = 0x30: none)
+local LANE_BITS = { [0] = 32, [16] = 16, [32] = 8 }
 -- the header's fields in wire order (offset and size in bytes; all big-endian)
 local HEADER = {
   { name = "version", offset = 0, size = 1, signed = false },
@@ -81,15 +87,23 @@ local pool_slot = ProtoField.uint16("switchagg.pool.slot", "Slot", base.DEC, nil
 local values_count = ProtoField.uint32("switchagg.values", "Values", base.DEC, nil, nil,
   "whole int32 values in the payload")
 local value = ProtoField.int32("switchagg.value", "Value", base.DEC)
+local lanes = ProtoField.uint8("switchagg.lanes", "Lane width", base.DEC, nil, nil,
+  "bits per value in the payload, from the LANES flags")
+local scale = ProtoField.uint8("switchagg.scale", "Scale byte", base.DEC, nil, nil,
+  "a block's exponent + 128 (0: all zero, 255: non-finite)")
+local lane_field = {
+  [16] = ProtoField.int16("switchagg.lane16", "16-bit lane", base.DEC),
+  [8] = ProtoField.int8("switchagg.lane8", "8-bit lane", base.DEC),
+}
 
-local fields = { pool_shadow, pool_slot, values_count, value }
+local fields = { pool_shadow, pool_slot, values_count, value, lanes, scale, lane_field[16], lane_field[8] }
 for _, h in ipairs(HEADER) do fields[#fields + 1] = F[h.name] end
 for _, f in pairs(flag_fields) do fields[#fields + 1] = f end
 proto.fields = fields
 
 local bad_version = ProtoExpert.new("switchagg.bad_version", "Unknown protocol version",
   expert.group.MALFORMED, expert.severity.ERROR)
-local bad_type = ProtoExpert.new("switchagg.bad_type", "Unknown message type",
+local bad_type = ProtoExpert.new("switchagg.bad_type", "Unknown message type or lane width",
   expert.group.MALFORMED, expert.severity.ERROR)
 local truncated = ProtoExpert.new("switchagg.truncated", "Length does not match the header",
   expert.group.MALFORMED, expert.severity.ERROR)
@@ -98,6 +112,37 @@ proto.experts = { bad_version, bad_type, truncated }
 local function field_range(tvb, name)
   local h = at[name]
   return tvb(h.offset, h.size)
+end
+
+-- protocol.lanes_per_packet and scale_words: values in k words of `bits`-bit lanes, and the words
+-- of scale bytes ahead of them (one byte per SCALE_BLOCK values). Cached: k is the same per job.
+local narrow_layout = {}
+local function layout(k, bits)
+  local key = k * 64 + bits
+  if narrow_layout[key] == nil then
+    local per_word, best = 32 / bits, 0
+    for x = 1, k - 1 do
+      best = math.max(best, math.min(per_word * (k - x), 4 * C.SCALE_BLOCK * x))
+    end
+    local blocks = math.ceil(best / C.SCALE_BLOCK)
+    narrow_layout[key] = { lanes = best, scale_words = math.ceil(blocks / 4) }
+  end
+  return narrow_layout[key]
+end
+
+-- The k payload words of a narrow packet as what they hold: scale bytes, then lanes.
+local function add_narrow(tvb, sub, k, bits)
+  local l = layout(k, bits)
+  local head = 4 * l.scale_words
+  local width = bits / 8
+  local tree = sub:add(tvb(C.HEADER_LEN, 4 * k),
+    ("Narrow payload: %d scale bytes, %d %d-bit lanes"):format(head, l.lanes, bits))
+  for b = 0, head - 1 do
+    tree:add(scale, tvb(C.HEADER_LEN + b, 1))
+  end
+  for i = 0, l.lanes - 1 do
+    tree:add(lane_field[bits], tvb(C.HEADER_LEN + head + i * width, width))
+  end
 end
 
 function proto.dissector(tvb, pinfo, tree)
@@ -119,9 +164,18 @@ function proto.dissector(tvb, pinfo, tree)
     v[h.name] = h.signed and range:int() or range:uint()
   end
   local flag_names = {}
-  for bit, name in pairs(FLAG_NAMES) do
-    item.flags:add(flag_fields[bit], field_range(tvb, "flags"))
-    if bit32.band(v.flags, bit) ~= 0 then flag_names[#flag_names + 1] = name end
+  for b = 0, 7 do  -- in bit order: pairs() would list them in any order
+    local bit = bit32.lshift(1, b)
+    if FLAG_NAMES[bit] then
+      item.flags:add(flag_fields[bit], field_range(tvb, "flags"))
+      if bit32.band(v.flags, bit) ~= 0 then flag_names[#flag_names + 1] = FLAG_NAMES[bit] end
+    end
+  end
+  local bits = LANE_BITS[bit32.band(v.flags, C.LANE_FLAGS)]
+  local lanes_item = item.flags:add(lanes, field_range(tvb, "flags"), bits or 0)
+  lanes_item:set_generated()
+  if bits == nil then
+    lanes_item:add_proto_expert_info(bad_type, "LANES 0x30 names no lane width")
   end
   item.pool:add(pool_shadow, field_range(tvb, "pool"))
   item.pool:add(pool_slot, field_range(tvb, "pool"))
@@ -148,6 +202,8 @@ function proto.dissector(tvb, pinfo, tree)
   if n ~= v.elems or body % 4 ~= 0 then
     payload:add_proto_expert_info(truncated,
       ("elems says %d values, the payload has %d bytes"):format(v.elems, body))
+  elseif bits ~= nil and bits ~= 32 and n > 0 then
+    add_narrow(tvb, sub, n, bits)
   end
 
   local slot = bit32.band(v.pool, C.POOL_SLOT_MASK)
@@ -157,6 +213,7 @@ function proto.dissector(tvb, pinfo, tree)
     MSG_NAMES[v.type] or ("type " .. v.type), v.job, v.rank, slot, shadow, v.offset, v.elems, exp,
     v.call, v.total)
   if #flag_names > 0 then info = info .. " [" .. table.concat(flag_names, ",") .. "]" end
+  if bits ~= 32 then info = info .. (bits and (" lanes=" .. bits) or " lanes=none") end
   pinfo.cols.info = info
   sub:append_text(", " .. info)
   return len

@@ -22,24 +22,33 @@ def result_file(out: Path, job: int, rank: int) -> Path:
     return out / f"job{job}_rank{rank}.npz"
 
 
+def block_exponents(peak: np.ndarray, per_packet: int, bits: int = 32) -> np.ndarray:
+    """Per element, the exponent field of its block as the C worker computes it (the block's largest
+    |value|: ``peak`` holds the ranks' largest per element): a block is a packet's ``per_packet`` values
+    in 32-bit lanes, SCALE_BLOCK values within a packet in narrow lanes. Packets count from the start
+    (a staged or striped call's pieces are whole packets)."""
+    peak = np.abs(np.asarray(peak, np.float32)).reshape(-1)
+    if peak.size == 0:
+        return np.zeros(0, np.int64)
+    block = per_packet if bits == 32 else protocol.SCALE_BLOCK
+    index = np.arange(peak.size)
+    ids = (index // per_packet) * -(-per_packet // block) + (index % per_packet) // block
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    top = np.maximum.reduceat(peak, starts)
+    frac, e = np.frexp(top)
+    e = np.clip(np.where(frac == 0.5, e - 1, e), -126, protocol.EXP_TOP)  # 2^(e-1) holds a power of 2
+    e = np.where(top == 0, protocol.EXP_NONE, np.where(np.isfinite(top), e, protocol.EXP_NONFINITE))
+    return np.repeat(e, np.diff(np.r_[starts, peak.size]))
+
+
 def float_bound(xs: list[np.ndarray], k: int, bits: int = 32) -> np.ndarray:
     """protocol.lane_error_bound per element: E is the block's max exponent over all ranks' inputs, a block
     being a packet's values (32-bit lanes) or SCALE_BLOCK values within a packet (narrow lanes)."""
-    n, length = len(xs), xs[0].size
-    per_packet = protocol.lanes_per_packet(k, bits)
-    block = protocol.SCALE_BLOCK if bits != 32 else per_packet
     peak = np.max([np.abs(x) for x in xs], axis=0)
-    bound = np.empty(length)
-    for start in range(0, length, per_packet):
-        for lo in range(start, min(length, start + per_packet), block):
-            hi = min(length, start + per_packet, lo + block)
-            top = np.float32(peak[lo:hi].max())
-            frac, e = np.frexp(top)
-            e = (
-                protocol.EXP_NONE if top == 0 else int(e) - (1 if frac == 0.5 else 0)
-            )  # 2^(e-1) holds a power of 2
-            bound[lo:hi] = protocol.lane_error_bound(n, e, bits)
-    return bound
+    fields, where = np.unique(
+        block_exponents(peak, protocol.lanes_per_packet(k, bits), bits), return_inverse=True
+    )
+    return np.array([protocol.lane_error_bound(len(xs), int(e), bits) for e in fields])[where]
 
 
 def dtype_bits(spec: str) -> tuple[str, int]:

@@ -34,7 +34,7 @@ EXAMPLE = ROOT / "examples" / "train_charlm.py"
 METHODS: dict[str, tuple[str, tuple[str, ...]]] = {  # name: (label, train_charlm.py's options)
     "gloo": ("gloo (float32)", ("--backend", "gloo")),
     "gloo-seed1": ("gloo (float32), seed + 1", ("--backend", "gloo")),
-    "switchagg32": ("switchagg, 32-bit lanes", ("--backend", "hook")),  # float32's default lanes
+    "switchagg32": ("switchagg, 32-bit lanes", ("--backend", "hook", "--bits", "32")),
     "switchagg16": ("switchagg, 16-bit lanes", ("--backend", "hook", "--bits", "16")),
     "switchagg8": ("switchagg, 8-bit lanes + EF", ("--backend", "hook", "--bits", "8")),
     "switchagg8-noef": (

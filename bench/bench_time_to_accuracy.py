@@ -68,7 +68,7 @@ METHODS = {
     "gloo+powersgd-1bucket": Method(
         "gloo + PowerSGD (rank 4, EF), one bucket", ("--backend", "gloo", "--hook", "powersgd"), "tab:olive"
     ),
-    "switchagg32": Method("switchagg, 32-bit lanes", ("--backend", "hook"), "tab:orange"),
+    "switchagg32": Method("switchagg, 32-bit lanes", ("--backend", "hook", "--bits", "32"), "tab:orange"),
     "switchagg16": Method("switchagg, 16-bit lanes", ("--backend", "hook", "--bits", "16"), "tab:red"),
     "switchagg8": Method("switchagg, 8-bit lanes + EF", ("--backend", "hook", "--bits", "8"), "tab:purple"),
 }

@@ -189,12 +189,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, rank: int, world: int) -> 
 def hook_state(model: DDP, args: argparse.Namespace) -> satorch.SwitchaggHookState | None:
     if args.backend != "hook":
         return None
-    options: dict[str, Any] = {}
-    if args.bits is not None:
-        options["bits"] = args.bits
-    if args.error_feedback != "default":
-        options["error_feedback"] = args.error_feedback == "on"
-    state = satorch.SwitchaggHookState(**options)
+    feedback = None if args.error_feedback == "default" else args.error_feedback == "on"
+    state = satorch.SwitchaggHookState(bits=args.bits, error_feedback=feedback)  # None: the defaults
     model.register_comm_hook(state, satorch.allreduce_hook)
     return state
 

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,12 +137,8 @@ def register_hook(model: DDP, args: argparse.Namespace, steps: int) -> satorch.S
         )
         model.register_comm_hook(ps_state, powerSGD.powerSGD_hook)
     elif args.backend == "hook":
-        options: dict[str, Any] = {}
-        if args.bits is not None:
-            options["bits"] = args.bits
-        if args.error_feedback != "default":
-            options["error_feedback"] = args.error_feedback == "on"
-        state = satorch.SwitchaggHookState(**options)
+        feedback = None if args.error_feedback == "default" else args.error_feedback == "on"
+        state = satorch.SwitchaggHookState(bits=args.bits, error_feedback=feedback)  # None: the defaults
         model.register_comm_hook(state, satorch.allreduce_hook)
         return state
     return None

@@ -106,22 +106,33 @@ def show(runs: dict[str, dict[str, Any]]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Eval loss along training (left) and its relative difference from gloo's (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, diff) = plt.subplots(1, 2, figsize=(11, 4))
+    ref = result["runs"].get("gloo", {}).get("history")
     for name, run in result["runs"].items():
-        if run["status"] == "ok":
-            h = run["history"]
-            ax.plot([r["step"] for r in h], [r["eval_loss"] for r in h], marker=".", label=METHODS[name][0])
+        if run["status"] != "ok":
+            continue
+        h = run["history"]
+        ax.plot([r["step"] for r in h], [r["eval_loss"] for r in h], marker=".", label=METHODS[name][0])
+        if ref:
+            rel = [100 * (r["eval_loss"] / g["eval_loss"] - 1) for r, g in zip(h, ref, strict=True)]
+            diff.plot([r["step"] for r in h], rel, marker=".", label=METHODS[name][0])
     ax.set_xlabel("step")
     ax.set_ylabel("eval loss (nats per character)")
     ax.set_title(f"char-level transformer, AdamW, DDP on {result['ranks']} ranks", fontsize=10)
     ax.set_ylim(top=min(4.5, ax.get_ylim()[1]))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    diff.axhspan(-1, 1, color="grey", alpha=0.15, label="within 1%")
+    diff.set_xlabel("step")
+    diff.set_ylabel("eval loss vs gloo's float32 run (%)")
+    diff.set_title("difference from gloo (same seed but the seed + 1 run)", fontsize=10)
+    diff.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

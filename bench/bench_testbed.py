@@ -269,6 +269,52 @@ def plot_loss(points: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_bits(points: list[dict[str, Any]], path: Path) -> None:
+    """Allreduce time per lane width (--bits), gloo (float16 beside 16-bit lanes) beside switchagg,
+    with switchagg's bound S·bits/32/R; one panel per (rate, n, size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(p["rate_mbit"], p["n"], p["size_mb"]) for p in points})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (rate, n, size) in zip(axes[0], panels, strict=True):
+        pts = sorted(
+            (p for p in points if (p["rate_mbit"], p["n"], p["size_mb"]) == (rate, n, size)),
+            key=lambda p: -p["bits"],
+        )
+        xs = range(len(pts))
+        ax.bar([x - 0.2 for x in xs], [p["gloo_s"] for p in pts], 0.4, label="gloo ring", color="tab:blue")
+        ax.bar(
+            [x + 0.2 for x in xs], [p["switchagg_s"] for p in pts], 0.4, label="switchagg", color="tab:orange"
+        )
+        for x, p in zip(xs, pts, strict=True):
+            ax.hlines(
+                p["ina_bound_s"],
+                x,
+                x + 0.4,
+                colors="k",
+                linestyles="--",
+                label="S·bits/32/R" if x == 0 else None,
+            )
+            ax.text(
+                x + 0.2,
+                p["switchagg_s"],
+                f"{p['switchagg_of_bound']:.0%}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_xticks(list(xs), [f"{p['bits']}-bit\n(gloo {p['gloo_dtype']})" for p in pts], fontsize=8)
+        ax.set_title(f"{size} MB float32, n={n}, links {rate:g} Mbit/s", fontsize=9)
+        ax.set_ylabel("allreduce time (s)")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 HEADER = (
     f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gso':>3} {'bits':>4} {'gloo s':>8} "
     f"{'switchagg s':>11} {'gloo/sa':>8} {'bound s':>7} {'of it':>6} {'cpu gloo':>8} {'cpu sa':>6} "
@@ -426,7 +472,12 @@ def bench(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=1))
     if points:
         first = (args.loss[0], args.gso[0], args.bits[0])
-        plot([p for p in points if (p["loss_pct"], p["gso"], p["bits"]) == first], out.with_suffix(".png"))
+        if len(args.bits) > 1:  # time per lane width, at the first loss and GSO setting
+            plot_bits([p for p in points if (p["loss_pct"], p["gso"]) == first[:2]], out.with_suffix(".png"))
+        else:
+            plot(
+                [p for p in points if (p["loss_pct"], p["gso"], p["bits"]) == first], out.with_suffix(".png")
+            )
         if len(args.loss) > 1:
             plot_loss(points, out.with_name(out.stem + "_loss.png"))
     progress.finish(f"wrote {out} and {out.with_suffix('.png')}")

@@ -267,6 +267,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             run = part["runs"][name]
             text = f" {bar.get_width():.0f} ms" if run["status"] == "ok" else f" {hung_or_failed(run)}"
             steps.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
+        steps.set_xlim(right=1.3 * max(ms, default=1.0))  # room for the labels
         steps.set_xlabel("step time, after the first epoch (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -286,28 +286,109 @@ def test_the_readme_ddp_figures_say_which_run_they_are() -> None:
 
     tta = json.loads((RESULTS / "time_to_accuracy.json").read_text())
     current = re.search(r"The current figure.*?\*\*([\d.]+)x\*\*", section, re.S)
-    assert current and near(current.group(1), tta["speedup"])
+    assert current and near(current.group(1), tta["main"]["runs"]["switchagg32"]["vs_gloo"])
+
+
+def _tables(section: str, header: str) -> list[tuple[re.Match[str], list[list[str]]]]:
+    """Each table of ``section`` whose header row matches ``header``: the match, and its rows' cells
+    (without the header and the |---| line)."""
+    found: list[tuple[re.Match[str], list[list[str]]]] = []
+    lines = section.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(header, line)
+        if not m:
+            continue
+        rows = []
+        for row in lines[i + 2 :]:
+            if not row.startswith("|"):
+                break
+            rows.append([c.strip() for c in row.strip().strip("|").split("|")])
+        found.append((m, rows))
+    return found
+
+
+def _x(cell: str) -> str:
+    """A ratio cell's number: ``**1.52x**`` -> ``1.52``."""
+    return cell.strip("*").removesuffix("x")
+
+
+def _check_training_row(cells: list[str], run: dict[str, Any], target: float) -> None:
+    ms, vs_gloo, vs_fp16, per_epoch, final, to_target = cells[1:]
+    if run["status"] == "hung":
+        assert ms == f"hung: no epoch in {run['hung_after_s']} s", (cells, run["status"])
+        return
+    assert run["status"] == "ok" and near(ms, run["step_ms"]), (cells, run.get("step_ms"))
+    assert near(_x(vs_gloo), run["vs_gloo"]) and near(_x(vs_fp16), run["vs_fp16_hook"]), cells
+    accuracies = [a.strip() for a in per_epoch.removesuffix("%").split(" / ")]
+    assert len(accuracies) == len(run["history"]), cells
+    for shown, record in zip(accuracies, run["history"], strict=True):
+        assert near(shown, record["accuracy"], 100), (cells, record)
+    assert near(final.removesuffix("%"), run["final_accuracy"], 100), cells
+    seconds = run["time_to_target_s"]
+    assert (to_target == "never") if seconds is None else near(to_target.removesuffix(" s"), seconds), cells
+
+
+def test_the_readme_time_to_accuracy_tables_are_its_json() -> None:
+    """One table per width of bench_time_to_accuracy.py's run, one row per method (its label), every
+    figure the JSON's: steady ms per step, the ratios, accuracy per epoch, final, time to the target."""
+    tta = json.loads((RESULTS / "time_to_accuracy.json").read_text())
     section = _readme_section("### Time to accuracy")
-    step = {b: sum(r["step_ms"] for r in runs) / len(runs) for b, runs in tta["runs"].items()}
-    m = re.search(
-        r"(\d+) ms per step on gloo, (\d+) ms on switchagg "
-        r"\(\*\*([\d.]+)x\*\*; ([\d.]+)x after the first epoch",
-        section,
+    header = (
+        r"^\| `--hidden (\d+)` \| ms per step \| vs gloo \| vs fp16 hook \| "
+        rf"accuracy per epoch \| final accuracy \| time to {round(tta['target'] * 100)}% \|$"
     )
-    assert m
-    assert near(m.group(1), step["gloo"]) and near(m.group(2), step["switchagg"])
-    assert near(m.group(3), tta["speedup"]) and near(m.group(4), tta["speedup_after_first_epoch"])
-    m = re.search(r"after ([\d.]+) s of training on gloo and ([\d.]+) s on switchagg", section)
-    assert m and near(m.group(1), tta["time_to_target_s"]["gloo"])
-    assert near(m.group(2), tta["time_to_target_s"]["switchagg"])
-    m = re.search(r"allreduce alone on the same rack: ([\d.]+)x, so the DDP step reaches (\d+)%", section)
-    assert m and near(m.group(1), tta["allreduce_speedup"])
-    assert near(m.group(2), tta["fraction_of_allreduce_gain"], 100)
-    m = re.search(r"The accuracy per epoch is the same on both \(([^)]*)\)", section)
-    assert m
-    for backend in ("gloo", "switchagg"):
-        accuracies = [f"{round(r['accuracy'] * 100)}%" for r in tta["runs"][backend]]
-        assert m.group(1) == ", ".join(accuracies), (backend, accuracies)
+    tables = _tables(section, header)
+    parts = {part["hidden"]: part for key, part in tta.items() if key in ("main", "small")}
+    assert sorted(int(m.group(1)) for m, _ in tables) == sorted(parts), "a table per width run"
+    for m, rows in tables:
+        part = parts[int(m.group(1))]
+        by_label = {run["label"]: run for run in part["runs"].values()}
+        assert [r[0] for r in rows] == [run["label"] for run in part["runs"].values()], "every run, in order"
+        for cells in rows:
+            _check_training_row(cells, by_label[cells[0]], tta["target"])
+    assert f"{tta['n']} workers, {tta['rate_mbit']:g} Mbit/s" in section
+
+
+def test_the_readme_narrow_allreduce_table_is_testbed_lanes_json() -> None:
+    data = json.loads((RESULTS / "testbed_lanes.json").read_text())
+    section = _readme_section("### Time to accuracy")
+    tables = _tables(section, r"^\| n = (\d+), (\d+) Mbit/s \| size \| gloo \| switchagg \| its bound \|")
+    assert len(tables) == 1
+    m, rows = tables[0]
+    points = {(p["bits"], p["size_mb"]): p for p in data["points"]}
+    assert len(rows) == len(points)
+    for cells in rows:
+        lanes = re.fullmatch(r"(\d+)-bit lanes \(gloo (\w+)\)", cells[0])
+        assert lanes, cells
+        p = points[int(lanes.group(1)), int(cells[1].removesuffix(" MB"))]
+        assert (p["n"], p["rate_mbit"]) == (int(m.group(1)), int(m.group(2)))
+        assert lanes.group(2) == p["gloo_dtype"]
+        gloo, switchagg, bound, of_bound, vs_gloo = cells[2:]
+        assert near(gloo.removesuffix(" s"), p["gloo_s"]) and near(
+            switchagg.removesuffix(" s"), p["switchagg_s"]
+        )
+        assert near(bound.split(" s")[0], p["ina_bound_s"]), cells
+        assert of_bound.strip("*") == f"{round(p['switchagg_of_bound'] * 100)}%", cells
+        assert near(_x(vs_gloo), p["speedup"]), cells
+
+
+def test_the_readme_charlm_table_is_charlm_json() -> None:
+    data = json.loads((RESULTS / "charlm.json").read_text())
+    section = _readme_section("### Time to accuracy")
+    tables = _tables(
+        section, r"^\| char-LM, (\d+) ranks, (\d+) steps \| final eval loss \| vs gloo \| ms per step \|$"
+    )
+    assert len(tables) == 1
+    m, rows = tables[0]
+    assert (int(m.group(1)), int(m.group(2))) == (data["ranks"], data["steps"])
+    by_label = {run["label"]: run for run in data["runs"].values()}
+    assert [r[0] for r in rows] == [run["label"] for run in data["runs"].values()]
+    for cells in rows:
+        run = by_label[cells[0]]
+        loss, vs_gloo, ms = cells[1:]
+        assert near(loss, run["final_eval_loss"]) and near(ms, run["step_ms"]), cells
+        if vs_gloo:
+            assert near(vs_gloo.strip("*").removesuffix("%"), run["vs_gloo"], 100), cells
 
 
 def test_the_readme_reducer_table_is_reducers_json() -> None:

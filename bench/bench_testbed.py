@@ -12,8 +12,9 @@ every worker (nftables, fragments and gloo's TCP included); switchagg's K is the
 carries unless --k says (protocol.k_for_mtu) and its window protocol.WINDOW_BYTES of packets.
 
 Per point it prints both times (the slowest rank's, median over --reps), gloo/switchagg, the
-fraction of the in-network bound S/R that switchagg reaches, and the CPU load of the host during
-the run (2 shared cores: where it nears 100%, the CPU, not the links, is the bottleneck). Writes
+fraction of the in-network bound S/R that switchagg reaches, and the CPU each system used: its ranks'
+(and switchagg's aggregator's) own CPU seconds over the timed allreduces, as a share of all the host's
+cores (`cpu_share`; unlike the host's load, `cpu_busy`, it is not raised by a neighbour's work). Writes
 bench/results/testbed.json and testbed.png; with --train, also the DDP step time of
 examples/train_digits.py (a wide MLP, so the gradients are large) on both backends.
 
@@ -56,19 +57,27 @@ def worker(args: argparse.Namespace) -> int:
     x = torch.empty(args.size * MB // 4, dtype=torch.float32)
     warm = torch.ones(1 << 16)
     dist.all_reduce(warm)  # connections and the job are set up outside the timed part
-    times, busy, total = [], 0, 0
+    times, busy, total, cpu_s = [], 0, 0, 0.0
     for _ in range(args.reps):
         x.fill_(rank + 1)
         dist.barrier()
         b0, t0_cpu = _cpu()  # /proc/stat is the host's, whichever namespace reads it
+        c0 = time.process_time()  # this process's own CPU (all threads): not the neighbours' load
         t0 = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t0)
+        cpu_s += time.process_time() - c0
         b1, t1_cpu = _cpu()
         busy, total = busy + b1 - b0, total + t1_cpu - t0_cpu
     want = n * (n + 1) / 2
     err = float((x - want).abs().max())
-    report = {"rank": rank, "times": times, "max_error": err, "cpu_busy": busy / max(1, total)}
+    report = {
+        "rank": rank,
+        "times": times,
+        "max_error": err,
+        "cpu_busy": busy / max(1, total),
+        "cpu_s": cpu_s,
+    }
     if args.backend == "switchagg":  # retransmissions spend capped link capacity: count them
         from switchagg.torch import backend_of
 
@@ -87,6 +96,14 @@ def _cpu() -> tuple[int, int]:
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
     user, nice, system, idle, iowait, irq, softirq = fields
     return user + system + irq + softirq, sum(fields)
+
+
+def _process_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far; 0 without one."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: int) -> list[str]:
@@ -120,10 +137,16 @@ def _run_ranks(bed: Any, workdir: Path, argv: list[str], timeout: float, port: i
 _port = iter(range(29500, 30500))
 
 
-def measure(bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, timeout: float) -> dict[str, Any]:
+def measure(
+    bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, timeout: float, agg_pid: int | None = None
+) -> dict[str, Any]:
+    """``agg_pid``: the process that aggregates (the job service's software aggregator); its CPU counts with
+    the ranks' in ``cpu_share`` (the job's own CPU over the timed allreduces, of all the host's cores)."""
     argv = [sys.executable, __file__, "--worker", "--backend", backend, "--size", str(size_mb)]
     argv += ["--reps", str(reps)]
+    agg0 = _process_cpu(agg_pid)
     outs = _run_ranks(bed, workdir, argv, timeout, next(_port))
+    agg_cpu = _process_cpu(agg_pid) - agg0  # over the whole run: an upper bound of the timed part
     reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     slowest = [
         max(r["times"][i] for r in reports) for i in range(reps)
@@ -133,6 +156,7 @@ def measure(bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, time
         "all_seconds": slowest,
         "max_error": max(r["max_error"] for r in reports),
         "cpu_busy": reports[0]["cpu_busy"],  # the host's load while rank 0 was in the allreduces
+        "cpu_share": (sum(r["cpu_s"] for r in reports) + agg_cpu) / sum(slowest) / (os.cpu_count() or 1),
         "retransmits": sum(r.get("retransmits", 0) for r in reports),
         "sent": sum(r.get("sent", 0) for r in reports),
         "fast_retransmits": sum(r.get("fast_retransmits", 0) for r in reports),
@@ -235,7 +259,15 @@ TRAIN_WEIGHT = 60.0  # one epoch of train_digits.py, roughly, on a capped testbe
 
 
 def point(
-    bed: Any, workdir: Path, rate: float, size: int, reps: int, progress: Steps, loss: float = 0.0, k: int = 0
+    bed: Any,
+    workdir: Path,
+    rate: float,
+    size: int,
+    reps: int,
+    progress: Steps,
+    loss: float = 0.0,
+    k: int = 0,
+    agg_pid: int | None = None,
 ) -> dict[str, Any]:
     """Both systems on one testbed, one size, one frame loss: gloo first, then switchagg."""
     n = bed.n
@@ -246,7 +278,7 @@ def point(
     progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: gloo", step_weight(rate, size, reps))
     g = measure(bed, workdir, "gloo", size, reps, timeout)
     progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: switchagg", step_weight(rate, size, reps))
-    s = measure(bed, workdir, "switchagg", size, reps, timeout)
+    s = measure(bed, workdir, "switchagg", size, reps, timeout, agg_pid)
     p = {
         "rate_mbit": rate, "n": n, "size_mb": size, "mtu": bed.mtu, "loss_pct": loss, "k": k,
         "frames_lost": sum(e.lost() for e in bed.endpoints),
@@ -255,6 +287,7 @@ def point(
         "switchagg_of_bound": bound / s["seconds"],
         "gloo_of_ring_bound": 2 * (n - 1) / n * bound / g["seconds"],
         "cpu_busy_gloo": g["cpu_busy"], "cpu_busy_switchagg": s["cpu_busy"],
+        "cpu_share_gloo": g["cpu_share"], "cpu_share_switchagg": s["cpu_share"],
         "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
         "runs_gloo": g["all_seconds"], "runs_switchagg": s["all_seconds"],
         "retransmits": s["retransmits"], "fast_retransmits": s["fast_retransmits"], "packets_sent": s["sent"],
@@ -264,7 +297,7 @@ def point(
         f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} "
         f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {p['gloo_s']:8.2f} "
         f"{p['switchagg_s']:11.2f} {p['speedup']:7.2f}x {bound:7.2f} {p['switchagg_of_bound']:6.0%} "
-        f"{g['cpu_busy']:8.0%} {s['cpu_busy']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
+        f"{g['cpu_share']:8.0%} {s['cpu_share']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
         f"{s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, {p['frames_lost']} lost)",
         flush=True,
     )
@@ -324,7 +357,10 @@ def bench(args: argparse.Namespace) -> int:
                     service = start_job_service(bed, workdir, sw_k=k, sw_slots=slots)
                     try:
                         points += [
-                            {**point(bed, workdir, rate, size, args.reps, progress, loss, k), "gso": gso}
+                            {
+                                **point(bed, workdir, rate, size, args.reps, progress, loss, k, service.pid),
+                                "gso": gso,
+                            }
                             for loss in args.loss
                             for size in args.sizes
                         ]

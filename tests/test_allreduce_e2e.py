@@ -32,6 +32,7 @@ def aggregator():
 def test_int32_exact_and_float32_within_bound(aggregator: SoftwareAggregator, tmp_path: Path, n: int) -> None:
     k, slots = 256, 8
     tensors = [("int32", 10_000), ("float32", 9_999), ("int32", 1), ("float32", 300_001)]
+    tensors += [("float32/16", 100_003), ("float32/8", 100_003)]  # narrow lanes (docs/PROTOCOL.md)
     ok(run_job(aggregator, 1, n, tensors, tmp_path, slots=slots, k=k))
     check_results(1, n, k, tensors, tmp_path)
     c = aggregator.counters()

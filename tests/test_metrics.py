@@ -23,9 +23,10 @@ pytest.importorskip("prometheus_client", reason="the metrics need prometheus-cli
 
 from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator  # noqa: E402
-from switchagg_lab.testing.kit import (
-    allreduce_all,  # noqa: E402
+from switchagg_lab.testing.kit import (  # noqa: E402
+    allreduce_all,
     free_port,
+    on_every_rank,
 )
 from switchagg_lab.testing.prom import Samples, scrape, value  # noqa: E402
 
@@ -209,6 +210,41 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
             s.close()
     gone = scrape(worker_address)
     assert not [k for k in gone if dict(k[1]).get("job_id") == "5"], "a closed session's series remain"
+
+
+def test_worker_metrics_count_bytes_per_lane_width() -> None:
+    """switchagg_worker_lane_bytes_total{bits}: each completed call's datagrams (first sends) under its
+    lane width, what Session.stats() counts: a float32 call in 32-, 16- and 8-bit lanes, an int32 one."""
+    size, k = 50_000, 361
+    with SoftwareAggregator("127.0.0.1", 0) as agg:
+        workers = [_core.Worker("127.0.0.1", 0) for _ in range(2)]
+        key = agg.add_job(11, 2, 0, 8, k, 1, [w.address for w in workers])
+        sessions = [
+            Session(11, r, 2, agg.address, 0, 8, k, timeout=20, metrics_port=0, key=key, _worker=w)
+            for r, w in enumerate(workers)
+        ]
+
+        def call(bits: int, dtype: type = np.float32) -> None:
+            out = on_every_rank(sessions, lambda r, s: s.allreduce(np.ones(size, dtype), bits=bits))
+            assert out == [None, None]
+
+        try:
+            for bits in protocol.WIRE_BITS:
+                call(bits)
+            call(32, np.int32)
+            address = sessions[0].metrics_address
+            assert address is not None
+            samples = scrape(address)
+            for bits in protocol.WIRE_BITS:
+                calls = 2 if bits == 32 else 1
+                packets = calls * -(-size // protocol.lanes_per_packet(k, bits))
+                for rank, s in enumerate(sessions):
+                    labels = {"job_id": "11", "rank": str(rank), "bits": str(bits)}
+                    counted = value(samples, "switchagg_worker_lane_bytes_total", **labels)
+                    assert counted == s.stats()[f"bytes_lanes{bits}"] == packets * protocol.packet_len(k)
+        finally:
+            for s in sessions:
+                s.close()
 
 
 def test_a_timed_out_allreduce_is_counted() -> None:

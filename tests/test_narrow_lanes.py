@@ -12,6 +12,7 @@ import pytest
 from switchagg import Session, SwitchaggError, SwitchaggMismatch, protocol
 from switchagg.aggregator import SoftwareAggregator
 from switchagg.striping import Shard, shard_key
+from switchagg_lab.testing.checks import float_bound
 from switchagg_lab.testing.kit import local_sessions, on_every_rank
 
 N = 3
@@ -35,20 +36,7 @@ def _inputs(n: int, length: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _bounds(xs: list[np.ndarray], k: int, bits: int) -> np.ndarray:
-    """protocol.lane_error_bound per element: blocks of SCALE_BLOCK inside each packet of lanes_per_packet."""
-    n, length = len(xs), xs[0].size
-    per_packet = protocol.lanes_per_packet(k, bits)
-    block = protocol.SCALE_BLOCK if bits != 32 else per_packet
-    bound = np.empty(length)
-    for start in range(0, length, per_packet):
-        for lo in range(start, min(length, start + per_packet), block):
-            hi = min(length, start + per_packet, lo + block)
-            top = max(float(np.max(np.abs(x[lo:hi]))) for x in xs)
-            e = protocol.EXP_NONE if top == 0 else int(np.frexp(np.float32(top))[1])
-            if top != 0 and np.frexp(np.float32(top))[0] == 0.5:
-                e -= 1  # an exact power of two: 2^(e-1) holds it
-            bound[lo:hi] = protocol.lane_error_bound(n, e, bits)
-    return bound
+    return float_bound(xs, k, bits)
 
 
 def _allreduce(
@@ -189,3 +177,19 @@ def test_a_striped_call_in_8_bit_lanes_sums_every_shard() -> None:
     finally:
         for a in aggs:
             a.stop()
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_smallest_blocks_are_summed_not_made_nan(aggregator: SoftwareAggregator, bits: int) -> None:
+    """Blocks whose largest value is as small as float32's normal range goes (E = -126) or a few binades
+    above it, where 2^-E * M overflows float32: finite sums within the bound and finite residuals (their
+    NaN once reached a DDP model's weights through error feedback)."""
+    sessions = local_sessions(aggregator, N, k=361)
+    rng = np.random.default_rng(7)
+    scales = np.repeat(2.0 ** np.arange(-126, -100, dtype=np.float64), protocol.SCALE_BLOCK)
+    xs = [(rng.uniform(-1, 1, scales.size) * scales).astype(np.float32) for _ in range(N)]
+    residuals = [np.zeros_like(x) for x in xs]
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    results = _allreduce(sessions, xs, bits, residuals)
+    assert np.all(np.isfinite(results[0])) and all(np.all(np.isfinite(r)) for r in residuals)
+    assert np.all(np.abs(results[0] - exact) <= _bounds(xs, 361, bits))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -93,6 +94,9 @@ def test_avg_and_half_precision_go_through_the_network(collectives: list[dict[st
 
 def test_stats_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
+        # Unless told, float32 and int32 travel in 32-bit lanes, bfloat16 and float16 in 16-bit lanes.
+        lanes = r["stats"]["bytes"]
+        assert lanes["lanes32"] > 0 and lanes["lanes16"] > 0 and lanes["lanes8"] == 0, lanes
         network, delegated = r["stats"]["network"], r["stats"]["delegated"]
         assert network["allreduce"] >= 12 and network["allreduce_coalesced"] == 1
         # MAX and float64 allreduces, and every other collective, ran on gloo and were counted.
@@ -110,13 +114,17 @@ def test_metrics_count_calls_per_op_and_path(collectives: list[dict[str, Any]]) 
         assert len(network) == 1 and f'rank="{rank}"' in network[0], r["metrics"]
         assert float(network[0].rsplit(" ", 1)[1]) == r["stats"]["network"]["allreduce"]
         assert any('op="broadcast"' in line and 'path="delegated"' in line for line in world)
+        for bits in (32, 16, 8):  # the group's one lane: its bytes per lane width, as stats() says
+            lane = [line for line in r["lane_bytes"] if '-g1"' in line and f'bits="{bits}"' in line]
+            assert len(lane) == 1, r["lane_bytes"]
+            assert float(lane[0].rsplit(" ", 1)[1]) == r["stats"]["bytes"][f"lanes{bits}"]
 
 
 def test_debug_log_says_where(collectives: list[dict[str, Any]]) -> None:
     for r in collectives:
         log = r["log"]
         assert "allreduce float32 on cpu runs in the network (SUM)" in log
-        assert "allreduce bfloat16 on cpu runs in the network (SUM)" in log
+        assert "allreduce bfloat16 on cpu runs in the network (SUM in 16-bit lanes)" in log
         n = len(collectives)
         avg = f"float32 on cpu runs in the network (AVG: SUM in the network, then / {n} on each rank)"
         assert avg in log
@@ -170,8 +178,95 @@ def test_ddp_backend_and_hook_match_gloo_gradients(collectives: list[dict[str, A
         assert r["ddp_backend_network_allreduces"] >= 3
         assert r["ddp_hook_network_allreduces"] >= 3
         assert r["ddp_backend_max_diff"] <= r["ddp_bound"]
-        assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
+        assert r["ddp_hook_max_diff"] <= r["ddp_hook_bound"]
         assert r["hook_state_freed_after_close"]
+
+
+@pytest.fixture(scope="module", params=[32, 16, 8], ids=["bits32", "bits16", "bits8"])
+def widths_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    """3 ranks with SWITCHAGG_WIRE_BITS=32, 16 and 8 (torch_worker's scenario_widths): every float
+    dtype in those lanes, the hook with its default error feedback."""
+    n, bits = 3, int(request.param)
+    out = tmp_path_factory.mktemp(f"widths{bits}")
+    env = {"SWITCHAGG_WIRE_BITS": str(bits), "SWITCHAGG_DEBUG": "INFO"}
+    for rank, (code, err) in enumerate(finish(launch("widths", n, out, **env))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    logs = [(out / f"stderr{r}.txt").read_text() for r in range(n)]
+    return [read(out, r) | {"bits": bits, "log": logs[r]} for r in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_every_width_sums_within_its_bound(widths_run: list[dict[str, Any]], dtype: str, op: str) -> None:
+    """SWITCHAGG_WIRE_BITS applies to every float dtype: SUM and AVG in its lanes, against the float64
+    sum (mean), within precision.error_bound at that width; gloo's error is in the report."""
+    for r in widths_run:
+        assert r["wire_bits"] == r["bits"]
+        case = r["precision"][f"{dtype}_{op}"]
+        assert case["bits"] == r["bits"] and case["worst_over_bound"] <= 1.0, case
+    case, bits = widths_run[0]["precision"][f"{dtype}_{op}"], widths_run[0]["bits"]
+    print(
+        f"{bits}-bit lanes, {dtype} {op}: max |err| {case['max_err']:.3g} "
+        f"(gloo {case['gloo_max_err']:.3g}), {case['worst_over_bound']:.2f} of the bound"
+    )
+    assert all(r["bf16_list_avg_ok"] and r["precision_network_calls"] == 7 for r in widths_run)
+
+
+def test_every_width_ddp_matches_gloo(widths_run: list[dict[str, Any]]) -> None:
+    """DDP on the backend (no error feedback) and with the hook (error feedback in 8-bit lanes)."""
+    for r in widths_run:
+        assert r["ddp_grads_nonzero"]
+        assert r["ddp_backend_network_allreduces"] >= 3 and r["ddp_hook_network_allreduces"] >= 3
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"], r["ddp_backend_max_diff"]
+        assert r["ddp_hook_max_diff"] <= r["ddp_hook_bound"], r["ddp_hook_max_diff"]
+
+
+def test_every_width_counts_its_bytes_and_says_so(widths_run: list[dict[str, Any]]) -> None:
+    """stats()'s bytes per lane width: only the chosen width's carried anything; the log says the
+    lanes of each kind of call, the hook's error feedback, and the bytes as the group closes."""
+    for r in widths_run:
+        bits = r["bits"]
+        lanes = r["stats"]["bytes"]
+        assert lanes[f"lanes{bits}"] > 0 and sum(lanes.values()) == lanes[f"lanes{bits}"], lanes
+        narrow = f" in {bits}-bit lanes" if bits != 32 else ""
+        log = r["log"]
+        assert f"allreduce float32 on cpu runs in the network (SUM{narrow})" in log
+        assert f"allreduce bfloat16 on cpu runs in the network (SUM{narrow})" in log
+        feedback = " with error feedback" if bits == 8 else ""
+        hooked = f"(AVG: / 3 on each rank, then SUM in the network{narrow}{feedback})"
+        assert f"float32 on cpu runs in the network {hooked}" in log
+        closed = re.search(
+            r"switchagg group g1 \(rank \d of 3\): closed; datagram bytes of its network calls: (.*)", log
+        )
+        assert closed, log[-3000:]
+        said = {f"lanes{b}": int(n) for n, b in re.findall(r"(\d+) in (\d+)-bit lanes", closed.group(1))}
+        assert said == lanes, (said, lanes)
+
+
+def test_a_hook_of_its_own_width_in_every_documented_form(widths_run: list[dict[str, Any]]) -> None:
+    """SwitchaggHookState(bits=...), functools.update_wrapper(functools.partial(allreduce_hook,
+    bits=...), allreduce_hook), and a hook of one's own passing bits on: DDP takes each, the buckets
+    travel in those lanes (whatever SWITCHAGG_WIRE_BITS says) within the bound, and each bucket's
+    residual has the size of its bucket after DDP rebuilt them. A bare partial is refused by DDP."""
+    for r in widths_run:
+        bits = r["hook_bits"]
+        assert bits != r["bits"]
+        for name, form in r["hook_forms"].items():
+            lanes = form["bytes"]
+            assert lanes[f"lanes{bits}"] > 0 and sum(lanes.values()) == lanes[f"lanes{bits}"], (name, lanes)
+            assert form["max_diff"] <= r["hook_bits_bound"], (name, form["max_diff"])
+        passes: list[dict[int, int]] = []
+        for index, numel in r["own_hook_buckets"]:
+            if index == 0:
+                passes.append({})
+            passes[-1][index] = numel
+        assert len(passes) == 2 and passes[0] != passes[1], passes  # DDP rebuilt its buckets
+        if bits == 8:  # error feedback by default: one residual per bucket, of the last pass's size
+            residuals = {int(i): v for i, v in r["hook_forms"]["own_hook"]["residuals"].items()}
+            assert all(residuals[i] == numel for i, numel in passes[1].items()), (residuals, passes)
+        assert r["bare_partial_error"] and "__name__" in r["bare_partial_error"], r["bare_partial_error"]
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -224,6 +319,8 @@ def test_aggregator_that_cannot_start_fails_every_rank(tmp_path: Path) -> None:
         ("SWITCHAGG_SLOTS", "99999999", "must be within"),
         ("SWITCHAGG_TIMEOUT", "-1", "must be positive"),
         ("SWITCHAGG_JOB_SERVICE", "nocolon", "is not host:port"),
+        ("SWITCHAGG_WIRE_BITS", "12", "SWITCHAGG_WIRE_BITS='12' is not one of 32, 16, 8"),
+        ("SWITCHAGG_WIRE_BITS", "fp16", "is not one of 32, 16, 8"),
     ],
 )
 def test_bad_environment_is_a_clear_error(
@@ -363,8 +460,11 @@ def test_mismatched_calls_fail_on_every_rank(tmp_path: Path, dtype: str) -> None
         assert f"rank 0: SUM of {dtype} [100000]" in r["message"], r["message"]
 
 
-# What each case's message must say, per rank (lab/switchagg_lab/testing/torch_worker.py, MISMATCHES).
+# What each case's message must say, per rank (lab/switchagg_lab/testing/torch_worker.py, MISMATCHES);
+# a rank's description ends at ";" (the next rank) or " (" (what the data plane said).
 USER_TERMS = {
+    "bits": ("rank 0: SUM of float32 [1047552] in 16-bit lanes;", "rank 1: SUM of float32 [1047552];"),
+    "hook_bits": ("rank 1: AVG of float32 [50000] in 8-bit lanes;", "rank 0: AVG of float32 [50000];"),
     "staged_dtype": ("rank 1: SUM of bfloat16 [2095104]", "rank 0: SUM of float32 [1047552]"),
     "dtype": ("rank 1: SUM of float16 [50000]", "rank 2: SUM of float32 [50000]"),
     "op": ("rank 1: AVG of float32 [50000]", "rank 0: SUM of float32 [50000]"),
@@ -377,7 +477,8 @@ USER_TERMS = {
     "torch calls that differ",
     "rank 1's user call differs from its 2 peers' where the wire's chunk calls agree: a bfloat16 tensor "
     "staged as 2 chunks against 2 float32 calls of one chunk, float16 against float32, AVG against SUM, a "
-    "coalesced list against one tensor, the DDP hook on bfloat16 against float32; 1 and 3 lanes, loopback",
+    "coalesced list against one tensor, the DDP hook on bfloat16 against float32, a lane width of its own "
+    "(SWITCHAGG_WIRE_BITS, the hook's bits); 1 and 3 lanes, loopback",
     sums=0,
     outcome="failed cleanly: every rank raises SwitchaggMismatch naming each rank's op, dtype, lengths",
     recovery="none needed: the call's tag differs on the wire, so the first round is poisoned",
@@ -392,7 +493,9 @@ def test_calls_that_differ_in_the_users_terms_fail_on_every_rank(
     float32 calls of one chunk each, a float16 against a float32 tensor of the same length, AVG against
     SUM, a coalesced list against one tensor, and the DDP hook on a bfloat16 bucket against float32.
     Each once summed silently (issue 33); every rank must raise SwitchaggMismatch naming each rank's
-    call, on 1 and 3 lanes (where a user's chunks go to different lanes)."""
+    call, on 1 and 3 lanes (where a user's chunks go to different lanes). Also a rank whose lanes are
+    narrower (SWITCHAGG_WIRE_BITS=16 on rank 0 alone, a hook state with bits=8 on rank 1 alone):
+    the wire refuses it too, and the message says which lanes."""
     n = 3
     env = {"MISMATCH_CASE": case, "SWITCHAGG_LANES": str(lanes)}
     for rank, (code, err) in enumerate(finish(launch("mismatched_calls", n, tmp_path, **env))):
@@ -469,7 +572,7 @@ def test_lanes_ddp_matches_gloo(lanes_run: list[dict[str, Any]]) -> None:
         assert r["ddp_grads_nonzero"]
         assert r["ddp_backend_network_allreduces"] >= 3 and r["ddp_hook_network_allreduces"] >= 3
         assert r["ddp_backend_max_diff"] <= r["ddp_bound"]
-        assert r["ddp_hook_max_diff"] <= r["ddp_bound"]
+        assert r["ddp_hook_max_diff"] <= r["ddp_hook_bound"]
         assert r["trained_identical"]
 
 
@@ -503,7 +606,7 @@ def test_shards_hosted_by_the_ranks(tmp_path: Path, lanes: int) -> None:
     for r in results:
         assert not r["lane_wrong"], r["lane_wrong"]
         assert r["ddp_backend_network_allreduces"] >= 3 and r["ddp_hook_network_allreduces"] >= 3
-        assert r["ddp_backend_max_diff"] <= r["ddp_bound"] and r["ddp_hook_max_diff"] <= r["ddp_bound"]
+        assert r["ddp_backend_max_diff"] <= r["ddp_bound"] and r["ddp_hook_max_diff"] <= r["ddp_hook_bound"]
     for r in results[:2]:
         assert r["aggregated"] > 0 and r["dropped"] == 0, r
 

@@ -1,7 +1,8 @@
 """Mixed precision works like gloo: DDP + torch.amp.GradScaler("cpu") with an overflow injected on
 one rank (or two, with opposite signs) before the allreduce, on gloo, the switchagg backend and the
-switchagg comm hook. The non-finite sum reaches every rank (docs/PROTOCOL.md: NaN/Inf travel
-through the network), so every rank skips the same steps and the scale follows gloo's exactly."""
+switchagg comm hook, in 32-, 16- and 8-bit lanes. The non-finite sum reaches every rank
+(docs/PROTOCOL.md: NaN/Inf travel through the network; in narrow lanes the whole 32-value block
+comes back NaN), so every rank skips the same steps and the scale follows gloo's exactly."""
 
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ K = "256"
 PROPAGATION = 2.0
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+# (ranks, SWITCHAGG_WIRE_BITS): every width, the narrowest with the most ranks (the coarsest lanes).
+RUNS = [(2, 32), (4, 32), (2, 16), (4, 8)]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{n}ranks-bits{b}" for n, b in RUNS])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    n: int = request.param
-    out = tmp_path_factory.mktemp(f"grad_scaler{n}")
-    for rank, (code, err) in enumerate(finish(launch("grad_scaler", n, out, SWITCHAGG_K=K))):
+    n, bits = request.param
+    out = tmp_path_factory.mktemp(f"grad_scaler{n}-{bits}")
+    env = {"SWITCHAGG_K": K, "SWITCHAGG_WIRE_BITS": str(bits)}
+    for rank, (code, err) in enumerate(finish(launch("grad_scaler", n, out, **env))):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return [read(out, r) for r in range(n)]
+    return [read(out, r) | {"bits": bits} for r in range(n)]
 
 
 def expected_scales() -> list[float]:
@@ -68,7 +74,8 @@ def test_gloo_skips_exactly_the_overflow_steps(ranks: list[dict[str, Any]]) -> N
 @pytest.mark.reliability(
     "caught Inf",
     "DDP + GradScaler, Inf/NaN in the gradients of one or two ranks at steps 3, 7 and 10 of 12, "
-    "the {variant} variant (switchagg: the backend; hook: the DDP comm hook) against gloo, 2 and 4 ranks",
+    "the {variant} variant (switchagg: the backend; hook: the DDP comm hook) against gloo, 2 and 4 ranks, "
+    "32-, 16- and 8-bit lanes",
     sums=0,
     outcome="exact",
     recovery="none needed: the same steps skipped and the same scale sequence as gloo on every rank",
@@ -85,12 +92,14 @@ def test_same_steps_skipped_and_same_scales_as_gloo(ranks: list[dict[str, Any]],
         assert run["network_allreduces"] >= SCALER_STEPS
 
 
-def step_bounds(ranks: list[dict[str, Any]]) -> float:
+def step_bounds(ranks: list[dict[str, Any]], variant: str) -> float:
     """The documented bound on the parameters' difference to gloo, summed over the taken steps:
-    lr times the averaged gradient's bound, 2 * protocol.error_bound(n, E) (the network sum's
-    bound plus gloo's own rounding, as switchagg_lab.testing.torch_worker's check_ddp uses), with E the
-    exponent of the largest local scaled gradient on any rank and variant, divided by the scale."""
-    n = len(ranks)
+    lr times the averaged gradient's bound, 2 * protocol.lane_error_bound(n, E, bits) (the network
+    sum's bound plus gloo's own rounding, as switchagg_lab.testing.torch_worker's check_ddp uses), with
+    E the exponent of the largest local scaled gradient on any rank and variant (one more for the
+    hook's error feedback in 8-bit lanes: it sends the gradient plus a residual), over the scale."""
+    n, bits = len(ranks), ranks[0]["bits"]
+    feedback = variant == "hook" and bits == 8
     scales = [SCALER_INIT_SCALE] + ranks[0]["gloo"]["scales"][:-1]  # the scale each step used
     total = 0.0
     for step in range(SCALER_STEPS):
@@ -98,12 +107,13 @@ def step_bounds(ranks: list[dict[str, Any]]) -> float:
             continue  # skipped: the parameters did not move
         peak = max(r[v]["peaks"][step] for r in ranks for v in ["gloo", *VARIANTS])
         assert math.isfinite(peak) and peak > 0
-        total += SCALER_LR * 2 * protocol.error_bound(n, math.frexp(peak)[1]) / scales[step]
+        e = math.frexp(peak)[1] + (1 if feedback else 0)
+        total += SCALER_LR * 2 * protocol.lane_error_bound(n, e, bits) / scales[step]
     return PROPAGATION * total
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_final_parameters_within_the_float32_bound(ranks: list[dict[str, Any]], variant: str) -> None:
+def test_final_parameters_within_the_lanes_bound(ranks: list[dict[str, Any]], variant: str) -> None:
     params = [np.array(r[variant]["params"], np.float64) for r in ranks]
     gloo = np.array(ranks[0]["gloo"]["params"], np.float64)
     for rank, p in enumerate(params):
@@ -112,5 +122,7 @@ def test_final_parameters_within_the_float32_bound(ranks: list[dict[str, Any]], 
         np.testing.assert_array_equal(p, params[0])
         np.testing.assert_array_equal(np.array(ranks[rank]["gloo"]["params"]), gloo)
     diff = float(np.abs(params[0] - gloo).max())
-    bound = step_bounds(ranks)
+    bound = step_bounds(ranks, variant)
+    lanes = f"{ranks[0]['bits']}-bit lanes"
+    print(f"{lanes}, {variant}: max |switchagg - gloo| {diff:.3g}, {diff / bound:.2f} of the bound")
     assert diff <= bound, f"max |switchagg - gloo| = {diff:.3g} > {bound:.3g}"

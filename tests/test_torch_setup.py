@@ -19,11 +19,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from switchagg import Session  # noqa: E402
+from switchagg import Session, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator, new_key  # noqa: E402
 from switchagg.torch import precision  # noqa: E402
 from switchagg.torch.dataplane import check_reachable, default_bind, network_identity  # noqa: E402
+from switchagg.torch.hook import ErrorFeedback, SwitchaggHookState  # noqa: E402
 from switchagg.torch.stager import Stager  # noqa: E402
+from switchagg_lab.testing.checks import block_exponents  # noqa: E402
 from switchagg_lab.testing.kit import free_port  # noqa: E402
 from switchagg_lab.testing.torch_launch import finish, launch, read  # noqa: E402
 
@@ -177,6 +179,39 @@ def test_settle_gives_up_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> Non
     assert leaving.settle() is True
 
 
+def test_lane_widths_per_dtype() -> None:
+    """docs/TORCH.md, Lane widths: each float dtype's own width unless a width is chosen, which
+    applies to every float dtype; int32 always in 32-bit lanes; anything but 32, 16, 8 refused."""
+    from switchagg.torch.widths import lane_bits
+
+    assert [lane_bits(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32)] == [
+        32,
+        16,
+        16,
+        32,
+    ]
+    for bits in (32, 16, 8):
+        assert [lane_bits(d, bits) for d in (torch.float32, torch.bfloat16, torch.float16)] == [bits] * 3
+        assert lane_bits(torch.int32, bits) == 32
+    with pytest.raises(ValueError, match="lanes are 32, 16, 8 bits wide"):
+        lane_bits(torch.float32, 12)
+    with pytest.raises(ValueError, match="SwitchaggHookState bits=4"):
+        SwitchaggHookState(bits=4)  # refused before it needs a process group
+
+
+def test_a_residual_is_kept_only_for_the_same_parameters_and_size() -> None:
+    """hook.ErrorFeedback: DDP may rebuild its buckets, so an index's residual is reused only while
+    the index holds the same parameters of the same size; otherwise it starts from zeros."""
+    feedback = ErrorFeedback()
+    first = feedback.residual(0, (1, 2), 10)
+    first += 1.0  # what rounding left
+    assert feedback.residual(0, (1, 2), 10) is first
+    assert not feedback.residual(0, (2, 1), 10).any()  # other parameters, the same size
+    assert not feedback.residual(0, (2, 1), 12).any() and feedback.sizes() == {0: 12}
+    assert feedback.residual(1, (3,), 5) is not feedback.residual(0, (2, 1), 12)
+    assert feedback.sizes() == {0: 12, 1: 5}
+
+
 class Job:
     """n sessions of one job on an in-process software aggregator (real sockets)."""
 
@@ -195,15 +230,26 @@ class Job:
         self.aggregator.stop()
 
 
-def stage_everywhere(job: Job, inputs: list[list[Any]], chunk: int, divide_by: int, pin: bool) -> list[Any]:
-    """Every rank runs Stager.run on its tensors at once (one thread per rank); returns the errors."""
+def stage_everywhere(
+    job: Job,
+    inputs: list[list[Any]],
+    packets: int,
+    divide_by: int,
+    pin: bool,
+    bits: int = 32,
+    residuals: list[Any] | None = None,
+) -> list[Any]:
+    """Every rank runs Stager.run on its tensors at once (one thread per rank), chunks of ``packets``
+    packets (of lanes of ``bits``); returns the errors."""
     errors: list[Any] = [None] * len(job.sessions)
+    chunk_bytes = 4 * packets * job.sessions[0].values_per_packet(bits)
 
     def rank(r: int) -> None:
+        session = job.sessions[r]
+        stager = Stager(session.allreduce_async, session.values_per_packet, chunk_bytes, pin_memory=pin)
+        residual = residuals[r] if residuals else None
         try:
-            Stager(job.sessions[r].allreduce_async, chunk, pin_memory=pin).run(inputs[r], divide_by).result(
-                60
-            )
+            stager.run(inputs[r], divide_by, bits=bits, residual=residual).result(60)
         except BaseException as e:  # noqa: BLE001
             errors[r] = e
 
@@ -215,56 +261,98 @@ def stage_everywhere(job: Job, inputs: list[list[Any]], chunk: int, divide_by: i
     return errors
 
 
-def staged_case(device: str, dtype: Any, average: bool, several: bool) -> None:
+def staged_inputs(n: int, size: int, seed: int = 5) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(size, generator=g) * 2.0 ** torch.randint(-6, 6, (size,), generator=g) for _ in range(n)
+    ]
+
+
+def staged_case(device: str, dtype: Any, average: bool, several: bool, bits: int = 32) -> None:
     n, k = 3, 64
-    chunk = 2 * k
-    size = 5 * k + 7  # three chunks, the last one short
+    per_packet = protocol.lanes_per_packet(k, bits)
+    size = 5 * per_packet + 7  # three chunks of two packets, the last one short
     job = Job(n, k)
     try:
-        g = torch.Generator().manual_seed(5)
-        values = [
-            torch.randn(size, generator=g) * 2.0 ** torch.randint(-6, 6, (size,), generator=g)
-            for _ in range(n)
-        ]
-        inputs = [v.to(dtype) for v in values]
-        exact = torch.stack([x.double() for x in inputs]).sum(0).numpy() / (n if average else 1)
+        inputs = [v.to(dtype) for v in staged_inputs(n, size)]
         if several:  # a non-contiguous tensor and a plain one, flattened into one buffer
             tensors = [[x[:200].reshape(20, 10).t().to(device), x[200:].clone().to(device)] for x in inputs]
         else:
             tensors = [[x.clone().to(device)] for x in inputs]
-        errors = stage_everywhere(job, tensors, chunk, n if average else 1, pin=device == "cuda")
+        # In the order the stager flattens them: its packets and blocks are cut in that order.
+        wire = [torch.cat([t.reshape(-1) for t in ts]).cpu() for ts in tensors]
+        exact = torch.stack([x.double() for x in wire]).sum(0).numpy() / (n if average else 1)
+        errors = stage_everywhere(job, tensors, 2, n if average else 1, pin=device == "cuda", bits=bits)
         assert errors == [None] * n
-        peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
-        padded = np.zeros(-(-size // k) * k, np.float32)
-        padded[:size] = peak
-        exps = np.repeat(np.frexp(padded.reshape(-1, k).max(axis=1))[1], k)[:size]
-        bound = precision.error_bound(dtype, n, exps, exact, average)
+        peak = np.max([x.float().abs().numpy() for x in wire], axis=0)
+        exps = block_exponents(peak, per_packet, bits)
+        bound = precision.error_bound(dtype, n, exps, exact, average, bits)
         for r in range(n):
-            out = tensors[r]
-            flat = torch.cat([out[0].t().reshape(-1), out[1]]) if several else out[0]
-            assert flat.dtype == dtype and flat.device.type == device
+            assert all(t.dtype == dtype and t.device.type == device for t in tensors[r])
+            flat = torch.cat([t.reshape(-1) for t in tensors[r]])
             err = np.abs(flat.cpu().double().numpy() - exact)
             assert np.all(err <= bound), float(np.max(err / bound))
             assert job.sessions[r].stats()["allreduces"] == 3  # one call per chunk, in order
+            assert job.sessions[r].stats()[f"bytes_lanes{bits}"] == 3 * 2 * protocol.packet_len(k)
     finally:
         job.close()
 
 
+@pytest.mark.parametrize("bits", [32, 16, 8])
 @pytest.mark.parametrize("several", [False, True], ids=["one", "list"])
 @pytest.mark.parametrize("average", [False, True], ids=["sum", "avg"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_stager_on_cpu(dtype: str, average: bool, several: bool) -> None:
-    """Chunk by chunk through float32 host buffers (no pinned memory on the CPU): the sums of 3 ranks
-    within the dtype's bound, one session call per chunk."""
-    staged_case("cpu", getattr(torch, dtype), average, several)
+def test_stager_on_cpu(dtype: str, average: bool, several: bool, bits: int) -> None:
+    """Chunk by chunk through float32 host buffers (no pinned memory on the CPU), in lanes of each
+    width, chunks of whole packets of the width: the sums of 3 ranks within the dtype's bound at that
+    width, one session call per chunk."""
+    staged_case("cpu", getattr(torch, dtype), average, several, bits)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_staged_error_feedback_slices_the_residual_per_chunk(bits: int) -> None:
+    """A tensor of three chunks staged 30 times with a float32 residual per rank (the hook's for a
+    staged bucket): each chunk's call takes its slice, so what rounding took comes back in the next
+    call everywhere, and the mean of the results converges on the exact sum, far closer than one call
+    without feedback gets."""
+    n, k, rounds = 3, 64, 30
+    per_packet = protocol.lanes_per_packet(k, bits)
+    size = 5 * per_packet + 7
+    job = Job(n, k)
+    try:
+        inputs = staged_inputs(n, size, seed=9)
+        exact = torch.stack([x.double() for x in inputs]).sum(0).numpy()
+        residuals = [torch.zeros(size) for _ in range(n)]
+        total = np.zeros(size)
+        for _ in range(rounds):
+            tensors = [[x.clone()] for x in inputs]
+            errors = stage_everywhere(job, tensors, 2, 1, pin=False, bits=bits, residuals=residuals)
+            assert errors == [None] * n
+            total += tensors[0][0].double().numpy()
+            assert all(torch.equal(tensors[0][0], t[0]) for t in tensors)
+        assert all(int(s.stats()["allreduces"]) == 3 * rounds for s in job.sessions)
+        peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
+        bound = precision.error_bound(
+            torch.float32, n, block_exponents(peak, per_packet, bits), exact, bits=bits
+        )
+        drift = np.abs(total - rounds * exact)
+        # What is left in the residuals (less than a step each, of a block at most one binade up).
+        assert np.all(drift <= 2 * bound), float(np.max(drift / bound))
+        single = [[x.clone()] for x in inputs]
+        assert stage_everywhere(job, single, 2, 1, pin=False, bits=bits) == [None] * n
+        once = np.abs(single[0][0].double().numpy() - exact)
+        assert float(np.mean(drift / rounds)) < float(np.mean(once)) / 5
+    finally:
+        job.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("bits", [32, 16, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_stager_on_cuda(dtype: str) -> None:
+def test_stager_on_cuda(dtype: str, bits: int) -> None:
     """The same through pinned memory and a side stream, device to host and back chunk by chunk."""
-    staged_case("cuda", getattr(torch, dtype), True, False)
-    staged_case("cuda", getattr(torch, dtype), False, True)
+    staged_case("cuda", getattr(torch, dtype), True, False, bits)
+    staged_case("cuda", getattr(torch, dtype), False, True, bits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)

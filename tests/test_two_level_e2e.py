@@ -30,6 +30,7 @@ def ok(procs: list[subprocess.CompletedProcess[str]]) -> None:
 def test_two_level_int32_exact_and_float32_within_bound(tmp_path: Path) -> None:
     k, slots = 256, 8
     tensors = [("int32", 10_000), ("float32", 9_999), ("int32", 1), ("float32", 100_001), ("int32", 50_000)]
+    tensors += [("float32/16", 50_001), ("float32/8", 50_001)]  # narrow lanes: leaves and spine alike
     o = run_hierarchy(Layout.loopback(RACKS, free_ports(3)), 1, tensors, tmp_path, slots=slots, k=k)
     ok(o.workers)
     check_results(1, N, k, tensors, tmp_path)  # float32: the bound of n = 4, the job's total
@@ -159,7 +160,7 @@ def test_two_level_with_5_percent_loss_on_every_hop_in_namespaces(tmp_path: Path
     from switchagg_lab.testbed.racks import SPINE_IP, Racks
 
     k, slots = 1024, 8
-    tensors = [("int32", 200_000), ("float32", 200_000), ("int32", 7)]
+    tensors = [("int32", 200_000), ("float32", 200_000), ("int32", 7), ("float32/8", 200_000)]
     with Racks(RACKS) as bed:
         ns = {f"h{w.index}": w.ns for w in bed.workers} | {f"l{lf.index}": lf.ns for lf in bed.leaves}
         ns["spine"] = bed.spine_ns

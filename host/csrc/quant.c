@@ -164,10 +164,13 @@ SA_HOT static void quantize_block(const float *x, size_t l, int bits, uint8_t s,
         return;
     }
     const int e = exp_value((int)s - SA_SCALE_BIAS);
-    const float down = ldexpf(1.0f, -e) * (float)m; /* 2^-E is exact (2^-128 as a subnormal) */
+    /* 2^-E is exact (2^-128 as a subnormal), and so is x * 2^-E (at most 1); 2^-E * M is not: it
+     * overflows to Inf for the smallest blocks (E below about -115 in 16-bit lanes, -123 in 8-bit),
+     * which made their lanes and residuals NaN (gradients that small are common). */
+    const float down = ldexpf(1.0f, -e);
     const float step = (float)lane_step(s, m), lim = (float)m;
     for (size_t i = 0; i < l; i++) {
-        float t = floorf(x[i] * down + dither(seed, first + (uint32_t)i));
+        float t = floorf(x[i] * down * lim + dither(seed, first + (uint32_t)i));
         t = t > lim ? lim : t;
         t = t < -lim ? -lim : t;
         if (residual) residual[i] = x[i] - t * step;

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from switchagg.protocol import DROP_REASONS, JOB_COUNTERS, LEAF_COUNTERS
+from switchagg.protocol import DROP_REASONS, JOB_COUNTERS, LEAF_COUNTERS, WIRE_BITS
 
 DEFAULT_HOST = "127.0.0.1"  # a scraper on another host needs 0.0.0.0 (or the host's address)
 
@@ -292,6 +292,14 @@ def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
             labels,
             st.get("bytes_sent", 0),
         )
+        for bits in WIRE_BITS:
+            c.counter(
+                "switchagg_worker_lane_bytes",
+                "Datagram bytes of completed allreduces (first sends, not resends), per lane width in bits",
+                (*WORKER_LABELS, "bits"),
+                (*labels, str(bits)),
+                st.get(f"bytes_lanes{bits}", 0),
+            )
         c.counter(
             "switchagg_worker_results", "RESULT packets accepted", WORKER_LABELS, labels, st.get("results", 0)
         )

@@ -1,5 +1,6 @@
 """The "switchagg" c10d backend: SUM and AVG allreduces of float32/int32/bfloat16/float16 tensors, on
-the CPU or CUDA, in the network; everything else on an inner gloo group built on the same store.
+the CPU or CUDA, in the network (float in the lanes of widths.lane_bits); everything else on an inner
+gloo group built on the same store.
 
 c10d sees a C++ Backend (native.py); this module is its Python side (Network) and its registration.
 """
@@ -17,19 +18,21 @@ import torch
 import torch.distributed as dist
 
 from switchagg.errors import SwitchaggPeerGone
-from switchagg.torch import identity, native
+from switchagg.torch import identity, native, widths
 from switchagg.torch.calls import DELEGATED as ON_GLOO
 from switchagg.torch.calls import NETWORK, CallLog, first_tensor
 from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
 from switchagg.torch.liveness import PeerWatch
-from switchagg.torch.stager import Stager, chunk_elements
+from switchagg.torch.stager import Stager
 
 BACKEND_NAME = "switchagg"
 EXCHANGE_PREFIX = "switchagg/exchange"
 # How long rank 0 waits for the others to see a failed start-up before it tears down.
 SETTLE_TIMEOUT = timedelta(seconds=30)
-# What the network sums (docs/TORCH.md): int32 exactly, float32 within protocol.error_bound, and
-# bfloat16/float16 as float32 (exact in it) rounded back; AVG is the sum divided by the group's size.
+# What the network sums (docs/TORCH.md): int32 exactly, float32 within protocol.lane_error_bound of its
+# lanes (widths.py), and bfloat16/float16 as float32 (exact in it) rounded back; AVG is the sum divided
+# by the group's size. No error feedback here: a plain allreduce does not know what its tensor is, nor
+# that it will be summed again (the hook does: hook.ErrorFeedback).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (*FLOAT_DTYPES, torch.int32)
 DEVICES = ("cpu", "cuda")
@@ -96,7 +99,7 @@ class Network:
             self._watch.close()
             raise
         self._plane.session.torch_calls = self.calls
-        self._stager = Stager(self._plane.lanes.allreduce_async, chunk_elements(self._plane.lanes.k))
+        self._stager = Stager(self._plane.lanes.allreduce_async, self._plane.lanes.values_per_packet)
         self._watch.start()
         self._store = store  # shutdown(): who has left
         atexit.register(self.close)
@@ -108,8 +111,10 @@ class Network:
         return self._plane
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Calls per op: ``{"network": {"allreduce": 12}, "delegated": {"broadcast": 1, ...}}``."""
-        return self.calls.stats()
+        """Calls per op, and the datagram bytes per lane width: ``{"network": {"allreduce": 12},
+        "delegated": {"broadcast": 1, ...}, "bytes": {"lanes32": 123456, "lanes16": 0, "lanes8": 0}}``."""
+        plane = self._plane
+        return {**self.calls.stats(), "bytes": widths.lane_bytes(plane.stats() if plane else {})}
 
     def _peer_gone(self, reason: str) -> None:
         plane = self._plane
@@ -121,6 +126,7 @@ class Network:
         with self._lock:
             plane, self._plane = self._plane, None
         if plane is not None:
+            self.calls.closed(widths.lane_bytes(plane.stats()))
             self._watch.close()
             plane.close()
 
@@ -161,14 +167,15 @@ class Network:
             return False
         average = red_op == dist.ReduceOp.AVG
         divide_by = self.size if average else 1
+        bits = widths.lane_bits(tensors[0].dtype, self.data_plane.wire_bits)
         how = f"AVG: SUM in the network, then / {divide_by} on each rank" if average else "SUM"
-        self.calls.record(op, NETWORK, tensors[0], how=how)
+        self.calls.record(op, NETWORK, tensors[0], how=how + widths.in_lanes(bits))
         # Numbered and described even when empty, so that every rank's numbers stay in step.
-        description = self.identity.next("AVG" if average else "SUM", tensors)
+        description = self.identity.next("AVG" if average else "SUM", tensors, bits)
         if sum(t.numel() for t in tensors) == 0:
             done(None)
             return True
-        pending, finish = self._network_sum(tensors, divide_by, description)
+        pending, finish = self._network_sum(tensors, divide_by, description, bits)
         self._watch.track(pending)
 
         def complete(f: concurrent.futures.Future[None]) -> None:
@@ -184,11 +191,12 @@ class Network:
         return True
 
     def _network_sum(
-        self, tensors: list[torch.Tensor], divide_by: int, description: str
+        self, tensors: list[torch.Tensor], divide_by: int, description: str, bits: int
     ) -> tuple[concurrent.futures.Future[None], Callable[[], None]]:
-        """One network allreduce over all tensors: in place for one contiguous CPU float32/int32
-        tensor, else staged (stager.Stager: flattened, converted, copied off the device chunk by
-        chunk, divided there); the second value finishes the sum on the data plane's thread."""
+        """One network allreduce over all tensors in lanes of ``bits``: in place for one contiguous
+        CPU float32/int32 tensor, else staged (stager.Stager: flattened, converted, copied off the
+        device chunk by chunk, divided there); the second value finishes the sum on the data plane's
+        thread."""
         lanes = self.data_plane.lanes
         t = tensors[0]
         if len(tensors) == 1 and t.device.type == "cpu" and t.dtype in DIRECT and t.is_contiguous():
@@ -197,8 +205,8 @@ class Network:
                 if divide_by != 1:
                     t.div_(divide_by)
 
-            return lanes.allreduce_async(t, tag=identity.tag(description, 0, 1)), divide
-        return self._stager.run(tensors, divide_by, description), lambda: None
+            return lanes.allreduce_async(t, tag=identity.tag(description, 0, 1), bits=bits), divide
+        return self._stager.run(tensors, divide_by, description, bits), lambda: None
 
 
 # Summed where they are, without a copy.

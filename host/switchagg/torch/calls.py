@@ -1,8 +1,9 @@
 """Where each collective ran: counters per op and path (network or delegated to gloo) and the log.
 
 ``SWITCHAGG_DEBUG=INFO`` (or the logging module: logger ``switchagg.torch``) logs the first call of
-each (op, dtype, device, path, SUM or AVG) of a group, with the reason when it was delegated and,
-in the network, how it was reduced (an AVG: SUM in the network, then divided on each rank);
+each (op, dtype, device, path, SUM or AVG, lane width) of a group, with the reason when it was
+delegated and, in the network, how it was reduced (an AVG: SUM in the network, then divided on each
+rank) and in which lanes, and the bytes sent per lane width when the group closes;
 ``DEBUG`` logs every call; ``WARN`` (the default) only what needs attention, such as DDP gradients
 that fall back.
 """
@@ -85,6 +86,13 @@ class CallLog:
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s %s on %s: %s", self.group, op, dtype, device, path)
         return first
+
+    def closed(self, lane_bytes: dict[str, int]) -> None:
+        """Logged at INFO as the group closes: the datagram bytes of its calls per lane width
+        (widths.lane_bytes), e.g. ``... 0 in 32-bit lanes, 0 in 16-bit lanes, 2236416 in 8-bit lanes``."""
+        if log.isEnabledFor(logging.INFO):
+            sent = ", ".join(f"{n} in {w.removeprefix('lanes')}-bit lanes" for w, n in lane_bytes.items())
+            log.info("%s: closed; datagram bytes of its network calls: %s", self.group, sent)
 
     def stats(self) -> dict[str, dict[str, int]]:
         with self._lock:

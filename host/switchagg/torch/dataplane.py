@@ -50,6 +50,8 @@ class DataPlane:
 
     lanes: Lanes
     aggregator: SoftwareAggregator | None = None
+    # SWITCHAGG_WIRE_BITS: the lanes of every float call, or None: each dtype's own (widths.py)
+    wire_bits: int | None = None
 
     @property
     def session(self) -> Session:
@@ -108,6 +110,18 @@ def session_timeout() -> float:
 def lanes_wanted() -> int:
     """SWITCHAGG_LANES: calls of a group on the wire at once (default DEFAULT_LANES)."""
     return _env_int("SWITCHAGG_LANES", DEFAULT_LANES, 1, MAX_LANES)
+
+
+def wire_bits_wanted() -> int | None:
+    """SWITCHAGG_WIRE_BITS: the lanes every float tensor travels in, 32, 16 or 8; unset (None), float32
+    travels in 32-bit lanes and bfloat16/float16 in 16-bit lanes (docs/TORCH.md, Lane widths)."""
+    raw = os.environ.get("SWITCHAGG_WIRE_BITS", "").strip()
+    if not raw:
+        return None
+    widths = ", ".join(map(str, protocol.WIRE_BITS))
+    if not raw.isdigit() or int(raw) not in protocol.WIRE_BITS:
+        raise ValueError(f"SWITCHAGG_WIRE_BITS={raw!r} is not one of {widths}")
+    return int(raw)
 
 
 def lane_job_name(name: str, lane: int) -> str:
@@ -390,6 +404,7 @@ def open_data_plane(
 
     gone_after = session_timeout()  # checks the variables before anything is exchanged
     lanes = lanes_wanted()
+    wire_bits = wire_bits_wanted()
     # The C worker takes finite timeouts below 1e9 s; a longer process group timeout means "wait".
     timeout = min(call_timeout, 1e8) if call_timeout is not None and call_timeout > 0 else gone_after
     service = os.environ.get("SWITCHAGG_JOB_SERVICE")
@@ -407,7 +422,9 @@ def open_data_plane(
     try:
         if not service:
             key = derive_key(watch.secret, f"result key {group_tag}")
-            return _open_embedded(rank, world_size, exchange, timeout, group_tag, lanes, key)
+            plane = _open_embedded(rank, world_size, exchange, timeout, group_tag, lanes, key)
+            plane.wire_bits = wire_bits
+            return plane
     finally:
         if own_watch:
             watch.close()
@@ -427,4 +444,4 @@ def open_data_plane(
         for session in sessions:
             session.close()
         raise
-    return DataPlane(Lanes(sessions))
+    return DataPlane(Lanes(sessions), wire_bits=wire_bits)

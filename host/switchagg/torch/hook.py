@@ -1,5 +1,9 @@
 """A DDP comm hook that sums gradient buckets through switchagg, for code that keeps gloo as its
-process group: ``ddp.register_comm_hook(SwitchaggHookState(), allreduce_hook)``."""
+process group: ``ddp.register_comm_hook(SwitchaggHookState(), allreduce_hook)``.
+
+Buckets travel in the lanes of their dtype's width unless told (SWITCHAGG_WIRE_BITS, the state's or the
+hook's ``bits``: widths.py), and in narrow lanes with error feedback where it is on (8 bits by default):
+each bucket's rounding error is carried into the same bucket's next step (ErrorFeedback)."""
 
 # No "from __future__ import annotations": DDP checks the hook's annotations as real objects.
 import atexit
@@ -12,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from switchagg.errors import SwitchaggPeerGone
-from switchagg.torch import identity
+from switchagg.torch import identity, widths
 from switchagg.torch.calls import DELEGATED, NETWORK, CallLog
 from switchagg.torch.dataplane import DataPlane, open_data_plane, session_timeout
 from switchagg.torch.liveness import PeerWatch
-from switchagg.torch.stager import Stager, chunk_elements
+from switchagg.torch.stager import Stager
 
 log = logging.getLogger("switchagg.torch")
 
@@ -52,21 +56,66 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta:
     return dist.default_pg_timeout
 
 
+class ErrorFeedback:
+    """Each bucket's residual (what rounding took from what this rank sent), keyed by the bucket's
+    index as PowerSGD's state keys its errors, and added to the same bucket's next step. A residual is
+    float32 in host memory, summed in place by the session (Session.allreduce's ``residual``).
+
+    DDP rebuilds its buckets after the first step (and may again), so an index can name other
+    parameters later: a residual is only reused for the same parameters (their storage, in order) and
+    size, and dropped otherwise rather than added to other gradients."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    @staticmethod
+    def fingerprint(bucket: dist.GradBucket) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in bucket.parameters())
+
+    def residual(self, index: int, fingerprint: tuple[int, ...], numel: int) -> torch.Tensor:
+        """Bucket ``index``'s residual from its last step, or zeros where there is none that fits."""
+        kept = self._residuals.get(index)
+        if kept is not None and kept[0] == fingerprint and kept[1].numel() == numel:
+            return kept[1]
+        fresh = torch.zeros(numel, dtype=torch.float32)
+        self._residuals[index] = (fingerprint, fresh)
+        return fresh
+
+    def sizes(self) -> dict[int, int]:
+        """Values of each bucket's residual, by bucket index."""
+        return {index: r.numel() for index, (_, r) in self._residuals.items()}
+
+    def clear(self) -> None:
+        self._residuals.clear()
+
+
 class SwitchaggHookState:
     """Owns this rank's switchagg data plane; collective: every rank of the group creates one,
     after init_process_group and in the same order (addresses are exchanged over the group).
 
     A bucket waits for a slow live peer up to ``timeout`` (default: the group's own timeout); a peer
-    that is gone (its process ended: its liveness connection closed) fails it at once."""
+    that is gone (its process ended: its liveness connection closed) fails it at once.
+
+    ``bits`` (32, 16 or 8): the lanes of every bucket (default: SWITCHAGG_WIRE_BITS if set, else the
+    bucket dtype's own width); every rank must choose the same. ``error_feedback``: carry each bucket's
+    rounding error into its next step in narrow lanes (default: on for 8 bits only; 32-bit lanes round
+    to nearest and have none)."""
 
     _created = 0
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+        bits: int | None = None,
+        error_feedback: bool | None = None,
     ) -> None:
+        self.bits = None if bits is None else widths.checked(bits, "SwitchaggHookState bits")
+        self.error_feedback = error_feedback
         group = process_group if process_group is not None else dist.group.WORLD
         if group is None or not dist.is_initialized():
             raise RuntimeError("SwitchaggHookState needs an initialised process group")
+        self.feedback = ErrorFeedback()
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -87,13 +136,25 @@ class SwitchaggHookState:
             self._watch.close()
             raise
         self.plane.session.torch_calls = self.calls
-        self._stager = Stager(self.plane.lanes.allreduce_async, chunk_elements(self.plane.lanes.k))
+        self._stager = Stager(self.plane.lanes.allreduce_async, self.plane.lanes.values_per_packet)
         self._watch.start()
         atexit.register(self.close)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Buckets per path: ``{"network": {"allreduce": 40}, "delegated": {"allreduce": 2}}``."""
-        return self.calls.stats()
+        """Buckets per path, and the datagram bytes per lane width: ``{"network": {"allreduce": 40},
+        "delegated": {"allreduce": 2}, "bytes": {"lanes32": 0, "lanes16": 0, "lanes8": 1234567}}``."""
+        plane = self.plane
+        return {**self.calls.stats(), "bytes": widths.lane_bytes(plane.stats() if plane else {})}
+
+    def lanes_of(self, dtype: torch.dtype, bits: int | None = None) -> tuple[int, bool]:
+        """A bucket's lane width (the hook's ``bits``, else the state's, else SWITCHAGG_WIRE_BITS, else
+        the dtype's) and whether it gets error feedback."""
+        chosen = bits if bits is not None else self.bits
+        if chosen is None and self.plane is not None:
+            chosen = self.plane.wire_bits
+        width = widths.lane_bits(dtype, chosen)
+        feedback = widths.feedback_default(width) if self.error_feedback is None else self.error_feedback
+        return width, feedback and width != 32
 
     def _peer_gone(self, reason: str) -> None:
         plane = self.plane
@@ -117,8 +178,10 @@ class SwitchaggHookState:
         atexit.unregister(self.close)  # a closed state is not kept alive until exit
         plane, self.plane = self.plane, None
         if plane is not None:
+            self.calls.closed(widths.lane_bytes(plane.stats()))
             self._watch.close()
             plane.close()
+        self.feedback.clear()
 
 
 def _why_not(state: SwitchaggHookState, tensor: torch.Tensor) -> str:
@@ -131,12 +194,18 @@ def _why_not(state: SwitchaggHookState, tensor: torch.Tensor) -> str:
     return ""
 
 
-def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(
+    state: SwitchaggHookState, bucket: dist.GradBucket, bits: int | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """Average a gradient bucket like torch's default allreduce_hook, summing it in the network.
 
     float32 buckets on the CPU are divided by the world size and summed in place; bfloat16/float16
     and CUDA buckets are staged through a float32 host buffer and divided after the sum. Others
-    (float64) go to the process group's own allreduce, with a one-time warning.
+    (float64) go to the process group's own allreduce, with a one-time warning. ``bits``: the lanes
+    (default: the state's, SWITCHAGG_WIRE_BITS, the dtype's; DDP passes only state and bucket, so a
+    width of its own is the state's ``bits``, or this from a hook of the caller's that passes it on).
+    With error feedback (SwitchaggHookState) the bucket's residual is what rounding took from what
+    was sent: the averaged bucket on the CPU, the bucket before its sum is divided when staged.
     """
     tensor = bucket.buffer()
     why = _why_not(state, tensor)
@@ -148,23 +217,25 @@ def allreduce_hook(state: SwitchaggHookState, bucket: dist.GradBucket) -> torch.
         return work.get_future().then(lambda fut: fut.value()[0])
     assert state.plane is not None
     n = state.world_size
+    width, feedback = state.lanes_of(tensor.dtype, bits)
     cpu_float = tensor.device.type == "cpu" and tensor.dtype == torch.float32
-    how = (
-        f"AVG: / {n} on each rank, then SUM in the network"
-        if cpu_float
-        else f"AVG: SUM in the network, then / {n}"
-    )
-    state.calls.record("allreduce", NETWORK, tensor, how=how)
-    description = state.identity.next("AVG", [tensor])  # the hook averages, as torch's default hook
+    order = f"/ {n} on each rank, then SUM in the network" if cpu_float else f"SUM in the network, then / {n}"
+    feeds = " with error feedback" if feedback else ""
+    state.calls.record("allreduce", NETWORK, tensor, how=f"AVG: {order}{widths.in_lanes(width)}{feeds}")
+    description = state.identity.next("AVG", [tensor], width)  # the hook averages, as torch's default hook
+    residual = None
+    if feedback:
+        residual = state.feedback.residual(bucket.index(), ErrorFeedback.fingerprint(bucket), tensor.numel())
     devices: list[int | str | torch.device] | None = [tensor.device] if tensor.device.type == "cuda" else None
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     pending: concurrent.futures.Future[None]
     if cpu_float:
         # Divide first, as the default hook does, so results match it to the quantization bound.
         tensor.div_(state.world_size)
-        pending = state.plane.lanes.allreduce_async(tensor, tag=identity.tag(description, 0, 1))
+        tag = identity.tag(description, 0, 1)
+        pending = state.plane.lanes.allreduce_async(tensor, tag=tag, bits=width, residual=residual)
     else:
-        pending = state._stager.run([tensor], state.world_size, description)
+        pending = state._stager.run([tensor], state.world_size, description, width, residual)
     state._watch.track(pending)
 
     def complete(done: object) -> None:

@@ -4,8 +4,9 @@ The wire numbers the data plane's calls, but the torch layer cuts a user's call 
 chunks of a few MB; lanes: chunks on different sessions), so two ranks whose user calls differ can still
 send wire calls of the same length and kind (a bfloat16 tensor of 2M elements staged as two chunks
 against two float32 calls of 1M). So every wire call of a user's call carries a tag: a digest of the
-user's call (op, dtype, each tensor's element count) and of which chunk of it this is. Ranks whose tags
-differ fail the call on every rank as a mismatch (docs/PROTOCOL.md, Call identity), never as a sum.
+user's call (op, dtype, each tensor's element count, the lane width) and of which chunk of it this is.
+Ranks whose tags differ fail the call on every rank as a mismatch (docs/PROTOCOL.md, Call identity),
+never as a sum.
 
 The wire can only say that the tags differed; to say how, each rank, on its group's first mismatch,
 writes the descriptions of its recent calls to the c10d store and reads its peers' (a bounded wait),
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from switchagg.errors import SwitchaggMismatch
 from switchagg.keys import digest32
+from switchagg.torch.widths import in_lanes
 
 KEY = "switchagg/mismatch/"
 # Calls remembered for the explanation: the failed one is among the last few on every rank (a rank
@@ -34,11 +36,12 @@ HISTORY = 64
 EXPLAIN_WAIT = 10.0
 
 
-def describe(op: str, tensors: list[torch.Tensor]) -> str:
+def describe(op: str, tensors: list[torch.Tensor], bits: int = 32) -> str:
     """A user's call as every rank must agree on it, e.g. ``SUM of float32 [1047552]`` or, for a list of
-    tensors, ``AVG of bfloat16 [4096, 10]``."""
+    tensors in 16-bit lanes, ``AVG of bfloat16 [4096, 10] in 16-bit lanes`` (a rank whose
+    SWITCHAGG_WIRE_BITS differs is told so)."""
     dtype = str(tensors[0].dtype).removeprefix("torch.")
-    return f"{op} of {dtype} [{', '.join(str(t.numel()) for t in tensors)}]"
+    return f"{op} of {dtype} [{', '.join(str(t.numel()) for t in tensors)}]{in_lanes(bits)}"
 
 
 def tag(description: str, chunk: int, chunks: int) -> int:
@@ -56,10 +59,10 @@ class CallIdentity:
         self._recent: OrderedDict[int, str] = OrderedDict()
         self._explained: BaseException | None = None
 
-    def next(self, op: str, tensors: list[torch.Tensor]) -> str:
+    def next(self, op: str, tensors: list[torch.Tensor], bits: int = 32) -> str:
         """The next call's description, remembered under its number in this group (1, 2, ...). Calls are
         issued in the same order on every rank (as c10d requires), so equal numbers name the same call."""
-        description = describe(op, tensors)
+        description = describe(op, tensors, bits)
         with self._lock:
             self._index += 1
             self._recent[self._index] = description

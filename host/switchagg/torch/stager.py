@@ -7,8 +7,10 @@ proxy do. On CUDA the copies run on a side stream into pinned memory and the ses
 each chunk's copy event before it sends it; on the CPU the same code runs with synchronous copies (and no
 pinned memory), which is how the pipeline is tested without a GPU.
 
-Every rank cuts the same tensor into the same chunks (the cut depends only on the element count and K),
-so each chunk is one numbered call of the session on every rank.
+Every rank cuts the same tensor into the same chunks (the cut depends only on the element count, K and
+the lane width: whole packets of the width's values_per_packet), so each chunk is one numbered call of the
+session on every rank, and the 32-value blocks that share a scale in narrow lanes never straddle two.
+An error-feedback residual (the hook's, float32 in host memory) is sliced like the host buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from switchagg.torch import identity
 
-# Bytes of the wire dtype per chunk, rounded down to whole packets of K elements.
+# Bytes of the host buffer (4 per value) per chunk, rounded down to whole packets.
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
@@ -32,8 +34,10 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int32 if dtype == torch.int32 else torch.float32
 
 
-def chunk_elements(k: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    return max(k, (chunk_bytes // 4) // k * k)
+def chunk_elements(per_packet: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Values per chunk: ``chunk_bytes`` of the host buffer rounded down to whole packets of
+    ``per_packet`` values (the session's values_per_packet(bits)), at least one packet."""
+    return max(per_packet, (chunk_bytes // 4) // per_packet * per_packet)
 
 
 class _Device:
@@ -64,6 +68,16 @@ class _Device:
         ev.record(self.stream)
         return ev
 
+    def flatten(self, tensors: list[torch.Tensor], single: bool) -> torch.Tensor:
+        """One flat tensor of ``tensors``' values: a view of a ``single`` contiguous one, else a copy,
+        made on the side stream once the caller's stream has produced them."""
+        self.after_current_work()
+        with self.on_side_stream():
+            flat = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
+            if self.cuda:
+                flat.record_stream(self.stream)
+        return flat
+
     @staticmethod
     def wait(event: Any) -> None:
         if event is not None:
@@ -72,37 +86,49 @@ class _Device:
 
 class Stager:
     """``run`` sums ``tensors`` (one device, one dtype) over the group through ``submit``, a
-    session's ``allreduce_async``; the future completes once every result is back in ``tensors``."""
+    session's (or Lanes') ``allreduce_async``; the future completes once every result is back in
+    ``tensors``. ``values_per_packet(bits)``: the session's, which the chunks are whole packets of."""
 
     def __init__(
         self,
         submit: Callable[..., concurrent.futures.Future[None]],
-        chunk: int,
+        values_per_packet: Callable[[int], int],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pin_memory: bool | None = None,
     ) -> None:
         self.submit = submit
-        self.chunk = chunk
+        self.values_per_packet = values_per_packet
+        self.chunk_bytes = chunk_bytes
         self.pin_memory = pin_memory
 
+    def chunk(self, bits: int = 32) -> int:
+        """Values per chunk (one wire call) in lanes of ``bits``."""
+        return chunk_elements(self.values_per_packet(bits), self.chunk_bytes)
+
     def run(
-        self, tensors: list[torch.Tensor], divide_by: int = 1, description: str = ""
+        self,
+        tensors: list[torch.Tensor],
+        divide_by: int = 1,
+        description: str = "",
+        bits: int = 32,
+        residual: torch.Tensor | None = None,
     ) -> concurrent.futures.Future[None]:
         """``divide_by``: each result is divided by it in the wire dtype before it is copied back (AVG).
         ``description``: the user's call (identity.describe); every chunk's wire call carries it and the
-        chunk's index (identity.tag), so ranks whose calls differ fail instead of summing chunks."""
+        chunk's index (identity.tag), so ranks whose calls differ fail instead of summing chunks.
+        ``bits``: the lanes (float only); ``residual``: error feedback for narrow lanes, a float32 CPU
+        tensor of the tensors' total size, each chunk's call given its slice (Session.allreduce)."""
+        total = sum(t.numel() for t in tensors)
+        _check_residual(residual, total)
         device = _Device(tensors[0].device)
         dtype = tensors[0].dtype
         single = len(tensors) == 1 and tensors[0].is_contiguous()
-        device.after_current_work()
-        with device.on_side_stream():
-            flat = tensors[0].view(-1) if single else torch.cat([t.reshape(-1) for t in tensors])
-            if device.cuda:
-                flat.record_stream(device.stream)
-        total = flat.numel()
+        flat = device.flatten(tensors, single)
         pin = device.cuda if self.pin_memory is None else self.pin_memory
         host = torch.empty(total, dtype=wire_dtype(dtype), pin_memory=pin)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        bounds = [(a, min(a + self.chunk, total)) for a in range(0, total, self.chunk)]
+        chunk = self.chunk(bits)
+        bounds = [(a, min(a + chunk, total)) for a in range(0, total, chunk)]
         state = _Progress(len(bounds), done)
 
         def finish() -> None:
@@ -142,7 +168,10 @@ class Stager:
                 ready = device.event()
             try:
                 chunk_tag = identity.tag(description, index, len(bounds)) if description else 0
-                pending = self.submit(host[a:b], ready=lambda ev=ready: device.wait(ev), tag=chunk_tag)
+                pending = self.submit(
+                    host[a:b], ready=lambda ev=ready: device.wait(ev), tag=chunk_tag, bits=bits,
+                    residual=None if residual is None else residual[a:b],
+                )  # fmt: skip
             except BaseException as e:  # noqa: BLE001 (a closed session: the chunks queued already end)
                 for _ in range(len(bounds) - index):
                     state.chunk_done(e, finish)
@@ -151,6 +180,17 @@ class Stager:
         if not bounds:
             done.set_result(None)
         return done
+
+
+def _check_residual(residual: torch.Tensor | None, total: int) -> None:
+    # Checked before any chunk is sent: a chunk that the session refused would leave the peers waiting.
+    if residual is None:
+        return
+    if residual.dtype != torch.float32 or residual.numel() != total or residual.device.type != "cpu":
+        raise ValueError(
+            f"the residual must be float32 of {total} values on the CPU, not {residual.dtype} of "
+            f"{residual.numel()} on {residual.device}"
+        )
 
 
 class _Progress:

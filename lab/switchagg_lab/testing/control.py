@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -27,12 +28,14 @@ class ControlledAggregator:
         host: str = "127.0.0.1",
         port: int = 0,
         netns: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.secret_file = tmp / f"{name}.secret"
         self.secret_file.write_text(secret + "\n")
         self.target = f"unix:{tmp / name}.sock"
         self.host, self.port = host, port
         self.netns = netns
+        self.env = env  # added to this process's environment (e.g. an LD_PRELOAD fault injector)
         self.proc: subprocess.Popen[str] | None = None
         self.boot_id = ""
 
@@ -48,6 +51,7 @@ class ControlledAggregator:
              "--port", str(self.port), "--control", self.target,
              "--control-secret-file", str(self.secret_file)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **self.env} if self.env else None,
         )  # fmt: skip
         assert proc.stdout is not None
         watchdog = threading.Timer(30.0, proc.kill)  # bounds the wait: the pipe ends once killed

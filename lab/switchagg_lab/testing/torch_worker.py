@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import functools
 import gc
 import json
 import math
@@ -31,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import switchagg
 import switchagg.torch as satorch
 from switchagg import protocol
-from switchagg.torch import backend_of, precision
+from switchagg.torch import backend_of, precision, widths
+from switchagg_lab.testing.checks import block_exponents
 
 K = protocol.DEFAULT_SW_K
 CAP_MB = 0.25  # DDP bucket cap: two buckets from the second backward on, two works in flight
@@ -45,16 +47,6 @@ def rank_input(rank: int, size: int, dtype: torch.dtype, seed: int) -> torch.Ten
     # Magnitudes spread over many binades so blocks get different exponents.
     scale = torch.pow(2.0, torch.randint(-12, 12, (size,), generator=g).float())
     return (torch.randn(size, generator=g) * scale).float()
-
-
-def float_bound(n: int, size: int, seed: int) -> np.ndarray:
-    """protocol.error_bound per element: E is the block's max exponent over all ranks."""
-    peak = np.max([rank_input(r, size, torch.float32, seed).abs().numpy() for r in range(n)], axis=0)
-    blocks = math.ceil(size / K)
-    padded = np.zeros(blocks * K, np.float32)
-    padded[:size] = peak
-    exps = np.frexp(padded.reshape(blocks, K).max(axis=1))[1]
-    return np.repeat([protocol.error_bound(n, int(e)) for e in exps], K)[:size]
 
 
 def network_allreduces(pg: Any) -> int:
@@ -80,7 +72,7 @@ def check_sums(pg: Any, rank: int, n: int) -> dict[str, Any]:
     dist.all_reduce(f)
     gloo.allreduce([fref]).wait()
     exact64 = torch.stack([rank_input(r, size, torch.float32, 2).double() for r in range(n)]).sum(0).numpy()
-    bound = float_bound(n, size, 2)
+    bound = call_bound(pg, [rank_input(r, size, torch.float32, 2) for r in range(n)], exact64)
     # gloo's own float32 sum is off the exact one by a few ulps of the block maximum.
     out["float32_within_bound_exact"] = bool(np.all(np.abs(f.numpy() - exact64) <= bound))
     out["float32_within_bound_gloo"] = bool(np.all(np.abs(f.numpy() - fref.numpy()) <= 2 * bound))
@@ -125,21 +117,27 @@ def check_pinned(pg: Any, rank: int) -> dict[str, Any]:
     return {"pinned": aggregator.counters()["drops"]["spoofed"] == before + 1}
 
 
-def block_exponents(inputs: list[torch.Tensor]) -> np.ndarray:
-    """Per element, the exponent field of its block of K: the largest over every rank's input."""
-    peak = np.max([x.float().abs().numpy() for x in inputs], axis=0)
-    size = peak.size
-    blocks = math.ceil(size / K)
-    padded = np.zeros(blocks * K, np.float32)
-    padded[:size] = peak
-    return np.repeat(np.frexp(padded.reshape(blocks, K).max(axis=1))[1], K)[:size]
+def lane_width(pg: Any, dtype: torch.dtype) -> int:
+    """The lanes the group sends a tensor of ``dtype`` in (SWITCHAGG_WIRE_BITS, else the dtype's)."""
+    return widths.lane_bits(dtype, backend_of(pg).data_plane.wire_bits)
+
+
+def call_bound(pg: Any, inputs: list[torch.Tensor], exact: Any, average: bool = False) -> np.ndarray:
+    """precision.error_bound per element of one network call of every rank's ``inputs`` (one tensor
+    each, in the order the call flattens them), in the lanes the group sends them in."""
+    bits = lane_width(pg, inputs[0].dtype)
+    per_packet = backend_of(pg).data_plane.lanes.values_per_packet(bits)
+    peak = np.max([x.float().abs().reshape(-1).numpy() for x in inputs], axis=0)
+    e_max = block_exponents(peak, per_packet, bits)
+    return np.asarray(precision.error_bound(inputs[0].dtype, len(inputs), e_max, exact, average, bits))
 
 
 def precision_case(
     pg: Any, rank: int, n: int, dtype: torch.dtype, average: bool, seed: int
 ) -> dict[str, Any]:
     """One network allreduce of `dtype` against the float64 sum (or mean) and gloo's: the worst error
-    over the documented bound (precision.error_bound), and gloo's own worst error, for the report."""
+    over the documented bound (precision.error_bound at the group's lane width), and gloo's own worst
+    error, for the report."""
     size = 3 * K + 17
     scale = 1 / 16 if dtype == torch.float16 else 1.0  # float16 tops out at 65504
     inputs = [(rank_input(r, size, torch.float32, seed) * scale).to(dtype) for r in range(n)]
@@ -150,10 +148,11 @@ def precision_case(
     mine, theirs = inputs[rank].clone(), inputs[rank].clone()
     dist.all_reduce(mine, op=op)
     backend_of(pg).gloo.allreduce([theirs], _avg_opts() if average else dist.AllreduceOptions()).wait()
-    bound = precision.error_bound(dtype, n, block_exponents(inputs), exact, average)
+    bound = call_bound(pg, inputs, exact, average)
     err = np.abs(mine.double().numpy() - exact)
     gloo_err = np.abs(theirs.double().numpy() - exact)
     return {
+        "bits": lane_width(pg, dtype),
         "worst_over_bound": float(np.max(err / bound)),
         "max_err": float(err.max()),
         "gloo_max_err": float(gloo_err.max()),
@@ -179,10 +178,14 @@ def check_precision(pg: Any, rank: int, n: int) -> dict[str, Any]:
     b = torch.full((5,), float(10 * (rank + 1)), dtype=torch.bfloat16)
     pg.allreduce([a, b], _avg_opts()).wait()
     mean = (n + 1) / 2
+    got = torch.cat([a.reshape(-1), b]).double().numpy()
+    want = np.r_[np.full(12, mean), np.full(5, 10 * mean)]
+    parts = [torch.cat([torch.full((12,), r + 1.0), torch.full((5,), 10.0 * (r + 1))]) for r in range(n)]
+    exact_in_32 = lane_width(pg, torch.bfloat16) != 32 or np.array_equal(got, want)  # small integers
     return {
         "precision": cases,
-        "bf16_list_avg_ok": bool(torch.equal(a, torch.full((3, 4), mean, dtype=torch.bfloat16)))
-        and bool(torch.equal(b, torch.full((5,), 10 * mean, dtype=torch.bfloat16))),
+        "bf16_list_avg_ok": exact_in_32
+        and bool(np.all(np.abs(got - want) <= call_bound(pg, [p.bfloat16() for p in parts], want, True))),
         "precision_network_calls": backend_of(pg).stats()["network"].get("allreduce", 0) - before,
     }
 
@@ -256,6 +259,18 @@ def grads(ddp: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
 
 
+def ddp_bounds(pg: Any, n: int, peak: float) -> tuple[float, float]:
+    """Bounds on |network - gloo| for DDP's averaged float32 gradients, on the backend and with the hook
+    (which has error feedback by default in 8-bit lanes), E from the largest local gradient ``peak``:
+    the sum's bound plus gloo's own rounding. With error feedback the hook sends x + r, |r| under a
+    step of the last call: E one higher covers the larger block and the step left in the residual."""
+    bits = lane_width(pg, torch.float32)
+    e = math.frexp(peak)[1]
+    bound = 2 * protocol.lane_error_bound(n, e, bits)
+    feedback = bits != 32 and widths.feedback_default(bits)
+    return bound, 2 * protocol.lane_error_bound(n, e + 1, bits) if feedback else bound
+
+
 def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     """DDP on the switchagg group and with the hook on a gloo group, against DDP on gloo."""
     gloo_group = dist.new_group(backend="gloo")
@@ -266,8 +281,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     local = grads(make_model(), x)
     peak = torch.tensor([max(g.abs().max().item() for g in local)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=gloo_group)
-    e = math.frexp(peak.item())[1]
-    bound = 2 * protocol.error_bound(n, e)  # the sum's bound, plus gloo's own rounding
+    bound, hook_bound = ddp_bounds(pg, n, peak.item())
 
     before = network_allreduces(pg)
     on_switchagg = DDP(make_model(), process_group=pg, bucket_cap_mb=CAP_MB)
@@ -309,6 +323,7 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
         "ddp_backend_max_diff": max_diff(backend),
         "ddp_hook_max_diff": max_diff(hooked_grads),
         "ddp_bound": bound,
+        "ddp_hook_bound": hook_bound,
         "ddp_backend_network_allreduces": backend_calls,
         "ddp_hook_network_allreduces": hook_calls,
         "ddp_grads_nonzero": bool(max(g.abs().max().item() for g in reference) > 0),
@@ -319,16 +334,70 @@ def check_ddp(pg: Any, rank: int, n: int) -> dict[str, Any]:
     }
 
 
-def scrape_torch_calls(pg: Any) -> list[str]:
-    """The switchagg_torch_calls_total lines of this process's worker metrics (SWITCHAGG_METRICS_PORT)."""
+def other_width(pg: Any) -> int:
+    """A lane width for float32 other than the group's: what a hook asks for of its own."""
+    return 8 if lane_width(pg, torch.float32) != 8 else 16
+
+
+def check_hook_bits(pg: Any, rank: int, n: int) -> dict[str, Any]:
+    """A hook state whose buckets travel in lanes of their own width (other_width, with its default
+    error feedback), given the three ways docs/TORCH.md names: the state's ``bits``, the hook wrapped
+    by functools.update_wrapper(functools.partial(...)), and a hook of the caller's that passes
+    ``bits`` on (it also records each bucket's size per pass: DDP rebuilds them after the first). A
+    bare functools.partial is refused by DDP itself (it reads the hook's __qualname__)."""
+    bits = other_width(pg)
+    gloo_group = dist.new_group(backend="gloo")
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    reference = grads(DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB), x)
+    seen: list[tuple[int, int]] = []
+
+    # Unannotated: this module's annotations are strings (__future__), which DDP's check refuses.
+    def own(state, bucket):  # noqa: ANN001
+        seen.append((bucket.index(), bucket.buffer().numel()))
+        return satorch.allreduce_hook(state, bucket, bits=bits)
+
+    wrapped = functools.update_wrapper(
+        functools.partial(satorch.allreduce_hook, bits=bits), satorch.allreduce_hook
+    )
+    forms: dict[str, tuple[satorch.SwitchaggHookState, Any]] = {
+        "state": (satorch.SwitchaggHookState(gloo_group, bits=bits), satorch.allreduce_hook),
+        "update_wrapper": (satorch.SwitchaggHookState(gloo_group), wrapped),
+        "own_hook": (satorch.SwitchaggHookState(gloo_group), own),
+    }
+    out: dict[str, Any] = {"hook_bits": bits, "hook_forms": {}}
+    for name, (state, hook) in forms.items():
+        ddp = DDP(make_model(), process_group=gloo_group, bucket_cap_mb=CAP_MB)
+        ddp.register_comm_hook(state, hook)
+        got = grads(ddp, x)
+        diff = max((a - b).abs().max().item() for a, b in zip(got, reference, strict=True))
+        residuals = state.feedback.sizes()
+        out["hook_forms"][name] = {"max_diff": diff, "bytes": state.stats()["bytes"], "residuals": residuals}
+        state.close()
+    out["own_hook_buckets"] = seen
+    try:
+        DDP(make_model(), process_group=gloo_group).register_comm_hook(
+            forms["state"][0], functools.partial(satorch.allreduce_hook, bits=bits)
+        )
+        out["bare_partial_error"] = None
+    except Exception as e:
+        out["bare_partial_error"] = f"{type(e).__name__}: {e}"
+    local = grads(make_model(), x)
+    peak = torch.tensor([max(g.abs().max().item() for g in local)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=gloo_group)
+    out["hook_bits_bound"] = 2 * protocol.lane_error_bound(n, math.frexp(peak.item())[1] + 1, bits)
+    return out
+
+
+def scrape_worker_metrics(pg: Any, *names: str) -> dict[str, list[str]]:
+    """Per metric name, its lines in this process's worker metrics (SWITCHAGG_METRICS_PORT)."""
     import urllib.request
 
     address = backend_of(pg).data_plane.session.metrics_address
     if address is None:
-        return []
+        return {name: [] for name in names}
     with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=30) as page:
-        text = page.read().decode()
-    return [line for line in text.splitlines() if line.startswith("switchagg_torch_calls_total")]
+        lines = page.read().decode().splitlines()
+    return {name: [line for line in lines if line.startswith(name + "{")] for name in names}
 
 
 def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
@@ -344,9 +413,27 @@ def scenario_collectives(rank: int, n: int, out_dir: Path) -> None:
     result.update(check_more_groups(pg, rank, n))
     result.update(check_ddp(pg, rank, n))
     result["stats"] = backend_of(pg).stats()
-    result["metrics"] = scrape_torch_calls(pg)
+    scraped = scrape_worker_metrics(pg, "switchagg_torch_calls_total", "switchagg_worker_lane_bytes_total")
+    result["metrics"] = scraped["switchagg_torch_calls_total"]
+    result["lane_bytes"] = scraped["switchagg_worker_lane_bytes_total"]
     dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def scenario_widths(rank: int, n: int, out_dir: Path) -> None:
+    """SWITCHAGG_WIRE_BITS on every rank: SUM and AVG of float32, bfloat16 and float16 within the
+    bound of that width, DDP (backend and hook, the hook with its default error feedback) against
+    gloo, a hook with a width of its own, and the bytes per lane width in stats() and the log."""
+    dist.init_process_group("switchagg")
+    pg: Any = dist.group.WORLD
+    result: dict[str, Any] = {"wire_bits": backend_of(pg).data_plane.wire_bits}
+    result.update(check_precision(pg, rank, n))
+    result.update(check_ddp(pg, rank, n))
+    result.update(check_hook_bits(pg, rank, n))
+    result["stats"] = backend_of(pg).stats()
+    dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()  # the group logs its bytes per lane width as it closes
 
 
 def _wait_for(path: Path, seconds: float = 60) -> None:
@@ -773,12 +860,31 @@ def _mismatch_tensor(elements: int, dtype: str) -> torch.Tensor:
     return torch.ones(elements, dtype=getattr(torch, dtype))
 
 
+class FakeBucket:
+    """What the hook reads of DDP's GradBucket, for a bucket of one's own."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        return []
+
+
 def scenario_mismatched_calls(rank: int, n: int, out_dir: Path) -> None:
     """MISMATCH_CASE (default split): rank 1's user calls differ from the others' (MISMATCHES; also
-    "coalesced": a list of two tensors against one of their total length, and "hook": the DDP hook on
-    a bfloat16 bucket against float32): every rank must fail its call with what differed, in the
-    user's terms, never return a partial sum as success."""
+    "coalesced": a list of two tensors against one of their total length, "hook": the DDP hook on a
+    bfloat16 bucket against float32, "hook_bits": a hook state with bits=8 against the default;
+    "bits": rank 0's SWITCHAGG_WIRE_BITS is 16, the others' unset): every rank must fail its call
+    with what differed, in the user's terms, never return a partial sum as success."""
     case = os.environ.get("MISMATCH_CASE", "split")
+    if case == "bits" and rank == 0:
+        os.environ["SWITCHAGG_WIRE_BITS"] = "16"
     dist.init_process_group("switchagg")
     result: dict[str, Any] = {"case": case}
     try:
@@ -787,16 +893,13 @@ def scenario_mismatched_calls(rank: int, n: int, out_dir: Path) -> None:
                 dist.all_reduce_coalesced([torch.ones(3000), torch.ones(5000)])
             else:
                 dist.all_reduce(torch.ones(8000))
-        elif case == "hook":
+        elif case in ("hook", "hook_bits"):
             gloo = dist.new_group(backend="gloo")
-            state = satorch.SwitchaggHookState(gloo)
-            bucket = torch.ones(50_000, dtype=torch.bfloat16 if rank == 1 else torch.float32)
-
-            class Bucket:  # what the hook reads of DDP's GradBucket
-                def buffer(self) -> torch.Tensor:
-                    return bucket
-
-            satorch.allreduce_hook(state, Bucket()).wait()  # type: ignore[arg-type]
+            state = satorch.SwitchaggHookState(gloo, bits=8 if case == "hook_bits" and rank == 1 else None)
+            bucket = torch.ones(50_000, dtype=torch.bfloat16 if case == "hook" and rank == 1 else None)
+            satorch.allreduce_hook(state, FakeBucket(bucket)).wait()  # type: ignore[arg-type]
+        elif case == "bits":
+            dist.all_reduce(torch.ones(STAGED))
         else:
             mine, theirs = MISMATCHES[case]
             for elements, dtype, op in mine if rank == 1 else theirs:
@@ -861,7 +964,7 @@ def check_lane_calls(pg: Any, rank: int, n: int, rounds: int) -> dict[str, Any]:
             exact64 = torch.stack([x.double() for x in inputs]).sum(0).numpy()
             if op == "avg":
                 exact64 = exact64 / n
-            bound = precision.error_bound(dtype, n, block_exponents(inputs), exact64, op == "avg")
+            bound = call_bound(pg, inputs, exact64, op == "avg")
             over = float(np.max(np.abs(got.double().numpy() - exact64) / bound))
             worst = max(worst, over)
             if over > 1.0:
@@ -939,6 +1042,7 @@ def scenario_shards(rank: int, n: int, out_dir: Path) -> None:
 
 
 SCENARIOS = {
+    "widths": scenario_widths,
     "lanes": scenario_lanes,
     "shards": scenario_shards,
     "mismatched_calls": scenario_mismatched_calls,

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from switchagg import Session, SwitchaggError, protocol
-from switchagg_lab.testing.checks import inputs, result_file
+from switchagg_lab.testing.checks import dtype_bits, inputs, result_file
 
 
 def _die_after(s: Session, results: int) -> None:
@@ -63,10 +63,11 @@ def main() -> int:
         if cfg.get("die_after"):
             _die_after(s, cfg["die_after"])
         try:
-            for i, (dtype, size) in enumerate(cfg["tensors"]):
+            for i, (spec, size) in enumerate(cfg["tensors"]):
+                dtype, bits = dtype_bits(spec)
                 x = inputs(job, rank, size, dtype, cfg.get("seed", 0) + i)
                 t0 = time.perf_counter()
-                s.allreduce(x)
+                s.allreduce(x, bits=bits)
                 seconds.append(time.perf_counter() - t0)
                 results[f"t{i}"] = x
         except SwitchaggError as e:

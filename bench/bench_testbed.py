@@ -11,6 +11,10 @@ Links have MTU --mtu (9000 and/or 1500) and lose --loss percent of their IPv4 fr
 every worker (nftables, fragments and gloo's TCP included); switchagg's K is the most one frame
 carries unless --k says (protocol.k_for_mtu) and its window protocol.WINDOW_BYTES of packets.
 
+--bits 16 / 8 sends switchagg's float32 values in 16- or 8-bit lanes (SWITCHAGG_WIRE_BITS; docs/PROTOCOL.md,
+Narrow lanes), so its bound is S·bits/32/R; gloo then sums the same values as float16 at 16 bits (what
+torch's fp16_compress_hook hands the ring) and as float32 at 8 (gloo has no 8-bit sum).
+
 Per point it prints both times (the slowest rank's, median over --reps), gloo/switchagg, the
 fraction of the in-network bound S/R that switchagg reaches, and the CPU each system used: its ranks'
 (and switchagg's aggregator's) own CPU seconds over the timed allreduces, as a share of all the host's
@@ -22,6 +26,8 @@ Needs root, iproute2 and torch. Bounded: every run has a timeout.
     python bench/bench_testbed.py                      # full grid (~15 min)
     python bench/bench_testbed.py --rates 200 --workers 4 --sizes 16 --reps 1
     python bench/bench_testbed.py --rates 200 --workers 4 --sizes 64 --mtu 1500 9000 --loss 0 0.1 1
+    python bench/bench_testbed.py --rates 200 --workers 8 --sizes 64 --bits 32 16 8 \\
+        --out bench/results/testbed_lanes.json
 """
 
 from __future__ import annotations
@@ -45,16 +51,26 @@ RESULTS = ROOT / "bench" / "results"
 MB = 1 << 20
 
 
+def gloo_dtype(bits: int) -> str:
+    """What gloo sums where switchagg sends ``bits``-bit lanes: float16 at 16 (fp16_compress_hook's
+    ring), float32 otherwise (gloo has no 8-bit float sum)."""
+    return "float16" if bits == 16 else "float32"
+
+
 def worker(args: argparse.Namespace) -> int:
-    """One rank: allreduce a float32 tensor of --size MB --reps times; prints its times as JSON."""
+    """One rank: allreduce --size MB of float32 values --reps times (in --bits lanes on switchagg, as
+    gloo_dtype on gloo); prints its times as JSON."""
     import torch
     import torch.distributed as dist
 
+    bits = args.bits[0]  # the bench passes one width to its workers
     if args.backend == "switchagg":
+        os.environ["SWITCHAGG_WIRE_BITS"] = str(bits)
         import switchagg.torch  # noqa: F401 (registers the backend)
     dist.init_process_group(args.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
-    x = torch.empty(args.size * MB // 4, dtype=torch.float32)
+    dtype = getattr(torch, gloo_dtype(bits)) if args.backend == "gloo" else torch.float32
+    x = torch.empty(args.size * MB // 4, dtype=dtype)
     warm = torch.ones(1 << 16)
     dist.all_reduce(warm)  # connections and the job are set up outside the timed part
     times, busy, total, cpu_s = [], 0, 0, 0.0
@@ -70,7 +86,7 @@ def worker(args: argparse.Namespace) -> int:
         b1, t1_cpu = _cpu()
         busy, total = busy + b1 - b0, total + t1_cpu - t0_cpu
     want = n * (n + 1) / 2
-    err = float((x - want).abs().max())
+    err = float((x.float() - want).abs().max())
     report = {
         "rank": rank,
         "times": times,
@@ -85,6 +101,7 @@ def worker(args: argparse.Namespace) -> int:
         report["retransmits"], report["sent"] = stats["retransmits"], stats["sent"]
         report["fast_retransmits"] = stats["fast_retransmits"]
         report["tail_probes"], report["timeouts"] = stats["tail_probes"], stats["timeouts"]
+        report["bytes_lanes"] = {b: stats.get(f"bytes_lanes{b}", 0) for b in (32, 16, 8)}
     print(json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -138,12 +155,20 @@ _port = iter(range(29500, 30500))
 
 
 def measure(
-    bed: Any, workdir: Path, backend: str, size_mb: int, reps: int, timeout: float, agg_pid: int | None = None
+    bed: Any,
+    workdir: Path,
+    backend: str,
+    size_mb: int,
+    reps: int,
+    timeout: float,
+    agg_pid: int | None = None,
+    bits: int = 32,
 ) -> dict[str, Any]:
     """``agg_pid``: the process that aggregates (the job service's software aggregator); its CPU counts with
-    the ranks' in ``cpu_share`` (the job's own CPU over the timed allreduces, of all the host's cores)."""
+    the ranks' in ``cpu_share`` (the job's own CPU over the timed allreduces, of all the host's cores).
+    ``bits``: switchagg's lanes (gloo sums gloo_dtype(bits))."""
     argv = [sys.executable, __file__, "--worker", "--backend", backend, "--size", str(size_mb)]
-    argv += ["--reps", str(reps)]
+    argv += ["--reps", str(reps), "--bits", str(bits)]
     agg0 = _process_cpu(agg_pid)
     outs = _run_ranks(bed, workdir, argv, timeout, next(_port))
     agg_cpu = _process_cpu(agg_pid) - agg0  # over the whole run: an upper bound of the timed part
@@ -162,6 +187,7 @@ def measure(
         "fast_retransmits": sum(r.get("fast_retransmits", 0) for r in reports),
         "tail_probes": sum(r.get("tail_probes", 0) for r in reports),
         "timeouts": sum(r.get("timeouts", 0) for r in reports),
+        "bytes_lanes": reports[0].get("bytes_lanes", {}),  # rank 0's datagram bytes per lane width
     }
 
 
@@ -244,8 +270,8 @@ def plot_loss(points: list[dict[str, Any]], path: Path) -> None:
 
 
 HEADER = (
-    f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gso':>3} {'gloo s':>8} "
-    f"{'switchagg s':>11} {'gloo/sa':>8} {'S/R s':>7} {'of S/R':>7} {'cpu gloo':>8} {'cpu sa':>6} "
+    f"{'rate':>6} {'n':>2} {'size':>6} {'mtu':>5} {'loss%':>5} {'K':>5} {'gso':>3} {'bits':>4} {'gloo s':>8} "
+    f"{'switchagg s':>11} {'gloo/sa':>8} {'bound s':>7} {'of it':>6} {'cpu gloo':>8} {'cpu sa':>6} "
     f"{'resent':>6}"
 )
 
@@ -268,24 +294,30 @@ def point(
     loss: float = 0.0,
     k: int = 0,
     agg_pid: int | None = None,
+    bits: int = 32,
 ) -> dict[str, Any]:
-    """Both systems on one testbed, one size, one frame loss: gloo first, then switchagg."""
+    """Both systems on one testbed, one size, one frame loss, one lane width: gloo first, then
+    switchagg. The bounds are those of the bytes each sends: switchagg S·bits/32/R, the ring
+    2(n-1)/n of gloo_dtype's bytes over R."""
     n = bed.n
     for e in bed.endpoints:
         e.set_loss(loss)
-    bound = size * MB * 8 / (rate * 1e6)
-    timeout = 120 + 20 * bound * reps
-    progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: gloo", step_weight(rate, size, reps))
-    g = measure(bed, workdir, "gloo", size, reps, timeout)
-    progress.step(f"{rate:g} Mbit/s, n={n}, {size} MB: switchagg", step_weight(rate, size, reps))
-    s = measure(bed, workdir, "switchagg", size, reps, timeout, agg_pid)
+    bound = size * MB * 8 / (rate * 1e6) * bits / 32
+    ring = 2 * (n - 1) / n * size * MB * 8 / (rate * 1e6) * (16 if gloo_dtype(bits) == "float16" else 32) / 32
+    timeout = 120 + 20 * size * MB * 8 / (rate * 1e6) * reps
+    what = f"{rate:g} Mbit/s, n={n}, {size} MB" + (f", {bits}-bit lanes" if bits != 32 else "")
+    progress.step(f"{what}: gloo ({gloo_dtype(bits)})", step_weight(rate, size, reps))
+    g = measure(bed, workdir, "gloo", size, reps, timeout, bits=bits)
+    progress.step(f"{what}: switchagg", step_weight(rate, size, reps))
+    s = measure(bed, workdir, "switchagg", size, reps, timeout, agg_pid, bits)
     p = {
         "rate_mbit": rate, "n": n, "size_mb": size, "mtu": bed.mtu, "loss_pct": loss, "k": k,
+        "bits": bits, "gloo_dtype": gloo_dtype(bits), "bytes_lanes": s["bytes_lanes"],
         "frames_lost": sum(e.lost() for e in bed.endpoints),
         "gloo_s": g["seconds"], "switchagg_s": s["seconds"], "speedup": g["seconds"] / s["seconds"],
-        "ina_bound_s": bound, "ring_bound_s": 2 * (n - 1) / n * bound,
+        "ina_bound_s": bound, "ring_bound_s": ring,
         "switchagg_of_bound": bound / s["seconds"],
-        "gloo_of_ring_bound": 2 * (n - 1) / n * bound / g["seconds"],
+        "gloo_of_ring_bound": ring / g["seconds"],
         "cpu_busy_gloo": g["cpu_busy"], "cpu_busy_switchagg": s["cpu_busy"],
         "cpu_share_gloo": g["cpu_share"], "cpu_share_switchagg": s["cpu_share"],
         "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
@@ -295,7 +327,7 @@ def point(
     }  # fmt: skip
     print(
         f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} "
-        f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {p['gloo_s']:8.2f} "
+        f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {bits:4d} {p['gloo_s']:8.2f} "
         f"{p['switchagg_s']:11.2f} {p['speedup']:7.2f}x {bound:7.2f} {p['switchagg_of_bound']:6.0%} "
         f"{g['cpu_share']:8.0%} {s['cpu_share']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
         f"{s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, {p['frames_lost']} lost)",
@@ -342,6 +374,7 @@ def bench(args: argparse.Namespace) -> int:
         for _ in args.mtu
         for _ in args.loss
         for _ in args.gso
+        for _ in args.bits
         for size in args.sizes
     ]
     trains = 2 if args.train else 0
@@ -358,10 +391,13 @@ def bench(args: argparse.Namespace) -> int:
                     try:
                         points += [
                             {
-                                **point(bed, workdir, rate, size, args.reps, progress, loss, k, service.pid),
+                                **point(
+                                    bed, workdir, rate, size, args.reps, progress, loss, k, service.pid, bits
+                                ),
                                 "gso": gso,
                             }
                             for loss in args.loss
+                            for bits in args.bits
                             for size in args.sizes
                         ]
                         last = rate == args.rates[-1] and n == args.workers[-1] and gso == args.gso[-1]
@@ -380,6 +416,7 @@ def bench(args: argparse.Namespace) -> int:
             "mtu": args.mtu,
             "loss": args.loss,
             "gso": args.gso,
+            "bits": args.bits,
         },
         "points": points,
         "training": training,
@@ -388,8 +425,8 @@ def bench(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if points:
-        first = (args.loss[0], args.gso[0])
-        plot([p for p in points if (p["loss_pct"], p["gso"]) == first], out.with_suffix(".png"))
+        first = (args.loss[0], args.gso[0], args.bits[0])
+        plot([p for p in points if (p["loss_pct"], p["gso"], p["bits"]) == first], out.with_suffix(".png"))
         if len(args.loss) > 1:
             plot_loss(points, out.with_name(out.stem + "_loss.png"))
     progress.finish(f"wrote {out} and {out.with_suffix('.png')}")
@@ -425,6 +462,14 @@ def main() -> int:
         choices=("on", "off"),
         default=["on"],
         help="UDP GSO/GRO in the workers and the aggregator; `off` is SWITCHAGG_GSO=0, the fallback",
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        nargs="+",
+        choices=(32, 16, 8),
+        default=[32],
+        help="switchagg's lane widths (SWITCHAGG_WIRE_BITS; gloo sums float16 at 16): one point each",
     )
     p.add_argument("--train", action="store_true", help="also time DDP steps of train_digits.py")
     p.add_argument("--hidden", type=int, default=2048, help="train_digits.py --hidden (gradient size)")

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from switchagg import protocol
 from switchagg_controller import p4_program
 from switchagg_lab.bmv2.frames import counters, delta
 from switchagg_lab.bmv2.run import check_results, finish, start_job
@@ -28,6 +29,29 @@ def test_allreduce_exact(n: int, bed: Any, switch: Any, tmp_path: Path) -> None:
     chunks = sum((size + 63) // 64 for _, size in TENSORS) + min(job.slot_count, (2048 + 63) // 64)
     assert jobs[job.job_id]["multicast"] == chunks
     assert jobs[job.job_id]["aggregated"] == chunks * n
+
+
+# float32 calls in 16- and 8-bit lanes, and an int32 call between them (always 32-bit lanes).
+NARROW = [("float32/16", 2000), ("int32", 300), ("float32/8", 3000)]
+
+
+def test_allreduce_narrow_lanes(bed: Any, switch: Any, tmp_path: Path) -> None:
+    """docs/PROTOCOL.md, Narrow lanes, through the P4 switch's per-lane add and per-byte scale max:
+    every rank within the width's bound, ranks bitwise equal, every chunk (V values) completed once."""
+    eps = bed.endpoints[:3]
+    job = make_job(23, eps, slot_base=160, slot_count=16, counter_index=7)
+    switch.apply(p4_program.desired_state(bed.topology(), [job]))
+    before = counters(switch, {job.job_id: job.counter_index})
+    finish(start_job(job, eps, NARROW, tmp_path, seed=3))
+    check_results(job, NARROW, tmp_path, seed=3)
+    _, jobs = delta(before, counters(switch, {job.job_id: job.counter_index}))
+    chunks = 0
+    for spec, size in NARROW:
+        bits = int(spec.partition("/")[2] or 32)
+        data = -(-size // protocol.lanes_per_packet(protocol.P4_K, bits))
+        chunks += data + (min(job.slot_count, data) if spec.startswith("float32") else 0)  # PRIME rounds
+    assert jobs[job.job_id]["multicast"] == chunks
+    assert jobs[job.job_id]["aggregated"] == chunks * len(eps)
 
 
 @pytest.mark.reliability(

@@ -40,6 +40,34 @@ def rails(tmp_path: Path) -> Iterator[Any]:
 
 
 def test_a_job_striped_across_two_bmv2_rails(rails: Any, tmp_path: Path) -> None:
+    _striped_job(rails, tmp_path)
+
+
+@pytest.mark.reliability(
+    "loss",
+    "bmv2 rails: 10% of frames lost each way on every worker's link to rail 1 (nftables), "
+    "3 ranks striped over 2 rails x 4 allreduces",
+    sums=4 * WORKERS,
+    recovery="every loss repaired by its own shard's resends (rail 0 untouched)",
+    state="nothing: rules removed",
+)
+def test_a_rail_that_loses_frames_repairs_its_own_shard(rails: Any, tmp_path: Path) -> None:
+    """Loss on one rail stalls only that rail's shard, whose resends repair it: every sum exact, each
+    rail aggregated exactly its shard, and only rail 1's workers resent."""
+    lossy = rails.endpoints[1]
+    for e in lossy:
+        e.set_loss(10)
+    reports = _striped_job(rails, tmp_path)
+    lost = [e.lost_each_way() for e in lossy]
+    assert sum(out for out, _ in lost) > 0 and sum(back for _, back in lost) > 0, lost  # both ways
+    assert sum(r["retransmits"][1] for r in reports) > 0 and sum(r["retransmits"][0] for r in reports) == 0, (
+        reports
+    )
+
+
+def _striped_job(rails: Any, tmp_path: Path) -> list[dict[str, Any]]:
+    """A job of WORKERS joined with shards = RAILS, ITERATIONS int32 allreduces and a float32 one,
+    everything checked; the workers' reports."""
     from switchagg_controller import p4_program
     from switchagg_controller.topology import dump_topologies
     from switchagg_lab.testbed.rails import rail_ip
@@ -109,6 +137,7 @@ def test_a_job_striped_across_two_bmv2_rails(rails: Any, tmp_path: Path) -> None
             assert [s[:2] for s in r["shards"]] == [[f"r{s}", rail_ip(s)] for s in range(RAILS)], r
             assert [ip for ip, _ in r["local"]] in [rails.addresses(w) for w in range(WORKERS)], r
             assert [s[2] for s in r["shards"]] == [port for _, port in r["local"]]
+        return reports
     finally:
         for p in procs:
             p.kill()

@@ -43,11 +43,13 @@ from switchagg.protocol import (
     DROP_REASONS,
     FLAG_ABORT,
     FLAG_FLOAT,
+    FLAG_LANE8,
     FLAG_MISMATCH,
     FLAG_PRIME,
     HEADER_FORMAT,
     HEADER_LEN,
     IDENTITY_FLAGS,
+    LANE_FLAGS,
     MSG_DATA,
     MSG_RESULT,
     POISON_FLAGS,
@@ -150,9 +152,11 @@ def classify(pkt: bytes, src: tuple[str, int], jobs: dict[int, JobSpec]) -> str:
     (a spine's answer that a leaf takes or counts as stale). aggregator.c's checks, in its order."""
     if len(pkt) < HEADER_LEN:
         return "truncated"
-    version, type_, _flags, _exp, job_id, rank, pool, elems = struct.unpack_from("!BBBbHHHH", pkt)
+    version, type_, flags, _exp, job_id, rank, pool, elems = struct.unpack_from("!BBBbHHHH", pkt)
     if version != VERSION:
         return "bad_version"
+    if flags & LANE_FLAGS == LANE_FLAGS:  # LANES = 3 names no lane width
+        return "bad_type"
     job = jobs.get(job_id)
 
     def slot_and_length(j: JobSpec) -> str | None:
@@ -228,7 +232,17 @@ class AggWorld:
         slot = base + d.integer(0, count - 1) if d.integer(0, 15) else d.integer(0, POOL_SLOT_MASK)
         shadow = d.integer(0, 1)
         flags = (
-            d.choice((0, FLAG_FLOAT, FLAG_PRIME | FLAG_FLOAT, FLAG_ABORT, FLAG_MISMATCH))
+            d.choice(
+                (
+                    0,
+                    FLAG_FLOAT,
+                    FLAG_PRIME | FLAG_FLOAT,
+                    FLAG_ABORT,
+                    FLAG_MISMATCH,
+                    FLAG_FLOAT | FLAG_LANE8,
+                    LANE_FLAGS,
+                )
+            )
             if d.integer(0, 3)
             else d.integer(0, 255)
         )
@@ -433,6 +447,13 @@ def test_the_model_matches_known_cases() -> None:
     assert classify(Header(job=1, rank=0, slot=4, values=[0] * 8).pack(), a, jobs) == "bad_pool"
     assert classify(Header(job=9, rank=0, slot=0, values=[0] * 8).pack(), a, jobs) == "unknown_job"
     assert classify(Header(job=1, rank=0, slot=0, type=3, values=[0] * 8).pack(), a, jobs) == "bad_type"
+    assert (
+        classify(Header(job=1, rank=0, slot=3, flags=LANE_FLAGS, values=[0] * 8).pack(), a, jobs)
+        == "bad_type"
+    )
+    assert (
+        classify(Header(job=1, rank=0, slot=3, flags=FLAG_LANE8, values=[0] * 8).pack(), a, jobs) == "data:1"
+    )
     result = Header(job=2, rank=0, slot=5, type=MSG_RESULT, values=[0] * 8).pack()
     assert classify(result, x, jobs) == "result:2"
     assert classify(result, a, jobs) == "spoofed"
@@ -498,7 +519,9 @@ OPS = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(FIELDS), st.integers(0, U32)),
     st.tuples(st.just("xor"), st.sampled_from(FIELDS), st.integers(1, U32)),
     st.tuples(
-        st.just("xor"), st.sampled_from(("pool", "flags")), st.sampled_from((1, 2, 4, 8, POOL_SET_BIT))
+        st.just("xor"),
+        st.sampled_from(("pool", "flags")),
+        st.sampled_from((1, 2, 4, 8, 0x10, 0x20, 0x30, POOL_SET_BIT)),
     ),
     st.tuples(
         st.just("add"), st.sampled_from(("call", "offset", "total")), st.sampled_from((1, -1, K_W, -K_W))

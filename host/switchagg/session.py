@@ -507,6 +507,10 @@ class Session:
                 stats[name] = max(stats[name], value) if name in _PER_CALL else stats[name] + value
         return stats
 
+    def shard_stats(self) -> list[dict[str, int]]:
+        """Each shard's worker counters, in shard order (one entry unless striped)."""
+        return [w.stats() for w in self._workers]
+
     def close(self) -> None:
         if self._closed:
             return

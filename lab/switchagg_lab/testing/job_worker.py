@@ -106,6 +106,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             if not cfg.get("catch"):
                 raise
             report["error"] = f"{type(e).__name__}: {e}"
+        report["retransmits"] = [st["retransmits"] for st in s.shard_stats()]  # per shard
         if cfg.get("leave"):
             report["removed"] = jobclient.leave(cfg["service"], cfg["secret"], a)
     return report

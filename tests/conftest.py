@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from switchagg.aggregator import SoftwareAggregator
 from switchagg_lab.testing.controller import Controller
 from switchagg_lab.testing.kit import free_port
 
@@ -28,3 +29,12 @@ def software_controller(tmp_path: Path) -> Iterator[Controller]:
     ctl.start()
     yield ctl
     ctl.stop()
+
+
+@pytest.fixture
+def aggregator() -> Iterator[SoftwareAggregator]:
+    """A software aggregator on loopback, one thread, started and stopped around the test."""
+    agg = SoftwareAggregator("127.0.0.1", 0)
+    agg.start()
+    yield agg
+    agg.stop()

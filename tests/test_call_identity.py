@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,14 +16,6 @@ from switchagg.aggregator import SoftwareAggregator
 from switchagg_lab.testing.kit import local_sessions, on_every_rank
 
 KEY = 0x5EC12E7
-
-
-@pytest.fixture
-def aggregator() -> Iterator[SoftwareAggregator]:
-    agg = SoftwareAggregator("127.0.0.1", 0)
-    agg.start()
-    yield agg
-    agg.stop()
 
 
 @pytest.mark.reliability(

@@ -4,8 +4,6 @@ non-finite blocks, identity and bytes on the wire."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
@@ -16,14 +14,6 @@ from switchagg_lab.testing.checks import float_bound
 from switchagg_lab.testing.kit import local_sessions, on_every_rank
 
 N = 3
-
-
-@pytest.fixture
-def aggregator() -> Iterator[SoftwareAggregator]:
-    agg = SoftwareAggregator("127.0.0.1", 0)
-    agg.start()
-    yield agg
-    agg.stop()
 
 
 def _inputs(n: int, length: int, seed: int = 0) -> list[np.ndarray]:

@@ -25,10 +25,6 @@ def _inputs(n: int, length: int, seed: int = 0) -> list[np.ndarray]:
     ]
 
 
-def _bounds(xs: list[np.ndarray], k: int, bits: int) -> np.ndarray:
-    return float_bound(xs, k, bits)
-
-
 def _allreduce(
     sessions: list[Session], xs: list[np.ndarray], bits: int, residuals: list[np.ndarray] | None = None
 ) -> list[np.ndarray]:
@@ -50,7 +46,7 @@ def test_narrow_sums_are_the_same_on_every_rank_and_within_the_bound(
     results = _allreduce(sessions, xs, bits)
     assert all(np.array_equal(results[0], r) for r in results[1:])
     err = np.abs(results[0].astype(np.float64) - exact)
-    bound = _bounds(xs, k, bits)
+    bound = float_bound(xs, k, bits)
     assert np.all(err <= bound), f"worst error {float(np.max(err / bound)):.3f} of the bound"
     # The bound is not slack: the coarser lanes use most of it somewhere.
     assert float(np.max(err / bound)) > 0.3
@@ -91,7 +87,7 @@ def test_error_feedback_carries_what_rounding_took_into_the_next_call(
     rounds = 40
     for _ in range(rounds):
         total += _allreduce(sessions, xs, bits, residuals)[0]
-    bound = _bounds(xs, 361, bits)
+    bound = float_bound(xs, 361, bits)
     drift = np.abs(total - rounds * exact)
     # Each rank's residual is within one step of its block (2^E / M) whatever the number of rounds; E is
     # that of the input plus the residual, at most one more than the input's (hence 2x the input's bound).
@@ -162,7 +158,7 @@ def test_a_striped_call_in_8_bit_lanes_sums_every_shard() -> None:
         out = on_every_rank(sessions, lambda r, s: s.allreduce(bufs[r], bits=8, residual=residuals[r]))
         assert all(o is None for o in out), out
         assert all(np.array_equal(bufs[0], b) for b in bufs)
-        assert np.all(np.abs(bufs[0] - exact) <= _bounds(xs, k, 8))
+        assert np.all(np.abs(bufs[0] - exact) <= float_bound(xs, k, 8))
         assert all(a.counters()["jobs"][1]["multicast"] > 0 for a in aggs)
     finally:
         for a in aggs:
@@ -182,4 +178,4 @@ def test_the_smallest_blocks_are_summed_not_made_nan(aggregator: SoftwareAggrega
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     results = _allreduce(sessions, xs, bits, residuals)
     assert np.all(np.isfinite(results[0])) and all(np.all(np.isfinite(r)) for r in residuals)
-    assert np.all(np.abs(results[0] - exact) <= _bounds(xs, 361, bits))
+    assert np.all(np.abs(results[0] - exact) <= float_bound(xs, 361, bits))

@@ -160,6 +160,7 @@ static inline double lane_step(uint8_t s, int m) { return ldexp(1.0, exp_value((
 SA_HOT static void quantize_block(const float *x, size_t l, int bits, uint8_t s, int m, uint32_t seed,
                                   uint32_t first, uint8_t *out, float *residual) {
     if (s == 0 || s == 255) { /* all zero on every rank, or non-finite somewhere: nothing travels */
+        memset(out, 0, l * (size_t)bits / 8);
         if (residual) memset(residual, 0, l * sizeof *residual);
         return;
     }
@@ -184,11 +185,10 @@ SA_HOT static void quantize_block(const float *x, size_t l, int bits, uint8_t s,
     }
 }
 
-void sa_quantize_lanes(const float *x, size_t len, size_t lanes, int bits, const uint8_t *scales, int n,
-                       uint32_t seed, uint8_t *out, float *residual) {
+void sa_quantize_lanes(const float *x, size_t len, int bits, const uint8_t *scales, int n, uint32_t seed,
+                       uint8_t *out, float *residual) {
     const int m = lane_limit(bits, n);
     const size_t bytes = (size_t)bits / 8;
-    memset(out, 0, lanes * bytes);
     for (size_t b = 0, off = 0; off < len; b++, off += SA_SCALE_BLOCK) {
         size_t l = len - off < SA_SCALE_BLOCK ? len - off : SA_SCALE_BLOCK;
         quantize_block(x + off, l, bits, scales[b], m, seed, (uint32_t)off, out + off * bytes,

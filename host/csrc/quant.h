@@ -29,11 +29,11 @@ void sa_be_to_int(const uint32_t *in_be, size_t len, int32_t *y);
 void sa_block_scales(const float *x, size_t len, uint8_t *scales);
 
 /* Lanes of `bits` (16 or 8), big-endian, for len values quantized on the blocks' max scales with
- * stochastic rounding (seed: the per-element dither's, different on every rank and chunk); lanes past len
- * are zero up to `lanes` values. With residual != NULL, residual[i] = x[i] - what the lane stands for
- * (the rank's rounding error, 0 in a non-finite block). */
-void sa_quantize_lanes(const float *x, size_t len, size_t lanes, int bits, const uint8_t *scales, int n,
-                       uint32_t seed, uint8_t *out, float *residual);
+ * stochastic rounding (seed: the per-element dither's, different on every rank and chunk); a block that
+ * sends nothing (all zero, non-finite) gets zero lanes. With residual != NULL, residual[i] = x[i] - what
+ * the lane stands for (the rank's rounding error, 0 in a non-finite block). */
+void sa_quantize_lanes(const float *x, size_t len, int bits, const uint8_t *scales, int n, uint32_t seed,
+                       uint8_t *out, float *residual);
 
 /* y = lane / f for len values of big-endian lanes; a non-finite block is NaN throughout. */
 void sa_dequantize_lanes(const uint8_t *in, size_t len, int bits, const uint8_t *scales, int n, float *y);

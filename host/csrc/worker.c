@@ -231,7 +231,7 @@ static void build_lanes(run_t *r, int64_t c, int64_t scales_of, int prime, uint3
     }
     size_t off = (size_t)c * r->vals, l = chunk_len(r, c);
     memset(lanes + l * (size_t)r->bits / 8, 0, lane_bytes - l * (size_t)r->bits / 8);
-    sa_quantize_lanes((const float *)r->data + off, l, l, r->bits, (uint8_t *)r->exp_max + (size_t)c * r->nb, w->n,
+    sa_quantize_lanes((const float *)r->data + off, l, r->bits, (uint8_t *)r->exp_max + (size_t)c * r->nb, w->n,
                       chunk_seed(r, c), lanes, r->residual ? r->residual + off : NULL);
 }
 

@@ -102,6 +102,7 @@ def worker(args: argparse.Namespace) -> int:
         report["fast_retransmits"] = stats["fast_retransmits"]
         report["tail_probes"], report["timeouts"] = stats["tail_probes"], stats["timeouts"]
         report["bytes_lanes"] = {b: stats.get(f"bytes_lanes{b}", 0) for b in (32, 16, 8)}
+        report["stats"] = stats
     print(json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()

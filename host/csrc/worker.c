@@ -2,11 +2,11 @@
  * window of one chunk per slot, retransmits what was lost, and dequantizes results in place.
  *
  * Loss detection is TCP's, per slot instead of per byte: a packet is resent when FAST_RETRANSMIT
- * packets first sent after it were answered first (a slot completes when its last worker's packet
+ * packets first sent after it (or after its latest resend) were answered first (a slot completes when its last worker's packet
  * arrives, and every worker first sends in the order results came, the same for all: so results
  * come in first-send order unless something was lost), or when nothing at all was answered for
- * the retransmission timeout. Ordering by the latest transmission instead would turn one
- * worker's resend into reordering for the others. A result restarts every timer, so packets
+ * the retransmission timeout. Ordering the answered packets by their latest transmission instead
+ * would turn one worker's resend into reordering for the others. A result restarts every timer, so packets
  * queued behind others on a slow or rate-capped link are not resent just because the queue is long.
  * Plain C, no Python: worker_py.c is its binding (it calls sa_worker_call with the GIL released). */
 #define _GNU_SOURCE
@@ -52,9 +52,11 @@ typedef struct {
     uint64_t rto;      /* current retransmission timeout, ns */
     uint64_t sent_at;  /* ns: first transmission of the outstanding packet */
     uint64_t seq;      /* order of its first transmission: the order every worker sends, so results come in it */
-    int passed;        /* results of packets sent after it that came back before its own */
-    int fast_done;     /* fast-retransmitted once this round: only the timer resends it again */
-    int probe;         /* resent as a tail loss probe this round: RACK leaves it to the timer then */
+    uint64_t xmit_at;  /* ns: its latest transmission, first or resend */
+    uint64_t xmit_seq; /* packets first sent after its latest transmission have a higher seq than this */
+    int passed;        /* results of packets first sent after its latest transmission, come back before its own */
+    int fast_done;     /* fast-retransmitted this round (a second answer of the round then shows it spurious) */
+    int probe;         /* resent as a tail loss probe this round */
     int lost;          /* its timer expired: resent when returning results make room (slow start) */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
@@ -488,9 +490,9 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->queued = 0;
     s->rto = current_rto(r->w);
     s->deadline = now + s->rto;
-    s->sent_at = now;
+    s->sent_at = s->xmit_at = now;
     s->retried = 0;
-    s->seq = ++r->seq;
+    s->seq = s->xmit_seq = ++r->seq;
     r->last_start = now;
     s->passed = 0;
     s->fast_done = 0;
@@ -526,13 +528,26 @@ static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
     return nout;
 }
 
-/* Slot i's result came: every packet still outstanding that was sent before it was passed. */
+/* Slot i's result came: every packet still outstanding whose latest transmission came before the first
+ * transmission of slot i's packet was passed. */
 static void note_passed(run_t *r, size_t i) {
     uint64_t seq = r->slots[i].seq;
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
-        if (j != i && s->phase != SLOT_DONE && !s->queued && s->seq < seq) s->passed++;
+        if (j != i && s->phase != SLOT_DONE && !s->queued && s->xmit_seq < seq) s->passed++;
     }
+}
+
+/* Slot s is resent now (any reason): RACK times it from this transmission, as RFC 8985 times a
+ * retransmission by its own send time, so a resend that is lost too is found by packets first sent after
+ * it, not only by the timer (which every result restarts: in a busy stream it would wait for the end of
+ * the call). */
+static void resend(run_t *r, slot_t *s, uint64_t now) {
+    s->retried = 1; /* Karn: no round-trip sample from it */
+    s->xmit_at = now;
+    s->xmit_seq = r->seq;
+    s->passed = 0;
+    s->deadline = now + s->rto;
 }
 
 /* Outstanding packets passed FAST_RETRANSMIT times are taken for lost: resend them now, with the
@@ -548,9 +563,9 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     uint64_t reorder_age = srtt + window + r->w->reo_steps * (srtt / 4);
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
-        if (s->phase == SLOT_DONE || s->queued || s->fast_done || s->probe || s->passed < FAST_RETRANSMIT) continue;
-        if (now - s->sent_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
-        s->fast_done = 1; /* as TCP: one fast retransmit per loss; a resend that is lost too waits for the timer */
+        if (s->phase == SLOT_DONE || s->queued || s->passed < FAST_RETRANSMIT) continue;
+        if (now - s->xmit_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
+        s->fast_done = 1;
         if (s->lost) { /* resent now: not again when its turn after the timeout comes */
             s->lost = 0;
             r->lost--;
@@ -559,8 +574,7 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
             r->w->reo_steps /= 2;
             r->w->reo_clean = 0;
         }
-        s->retried = 1;
-        s->deadline = now + s->rto;
+        resend(r, s, now);
         out[nout++] = j;
         r->w->stats.fast_retransmits++;
         r->w->stats.retransmits++;
@@ -633,7 +647,7 @@ static uint64_t probe_due(const run_t *r) {
 
 /* The probe: the oldest outstanding packet again (results come in first-send order, so it is the
  * likeliest lost). Its answer, or that of the resend the aggregator unicasts, re-arms RACK. */
-static size_t tail_probe(run_t *r, size_t *out) {
+static size_t tail_probe(run_t *r, uint64_t now, size_t *out) {
     size_t best = r->active;
     for (size_t i = 0; i < r->active; i++) {
         const slot_t *s = &r->slots[i];
@@ -642,12 +656,12 @@ static size_t tail_probe(run_t *r, size_t *out) {
     }
     r->probed = 1;
     if (best == r->active) return 0;
-    r->slots[best].retried = 1; /* Karn: no round-trip sample from it */
+    resend(r, &r->slots[best], now);
     if (++r->w->tlp_clean >= REO_DECAY && r->w->tlp_shift) { /* useful probes: shorten the wait again */
         r->w->tlp_shift--;
         r->w->tlp_clean = 0;
     }
-    r->slots[best].probe = 1; /* one early resend per round: RACK leaves it to the timer now */
+    r->slots[best].probe = 1;
     if (r->slots[best].lost) {
         r->slots[best].lost = 0;
         r->lost--;
@@ -674,8 +688,7 @@ static size_t resend_lost(run_t *r, uint64_t now, size_t *out, size_t nout) {
         }
         slot_t *s = &r->slots[best];
         s->lost = 0;
-        s->retried = 1;
-        s->deadline = now + s->rto;
+        resend(r, s, now);
         r->lost--;
         r->lost_budget--;
         r->w->stats.timeouts++;
@@ -824,7 +837,7 @@ static int run_call(run_t *r, int abort) {
         }
         now = sa_now_ns();
         probe = probe_due(r);
-        if (probe && now >= probe && (nq = tail_probe(r, queue)) && send_slots(r, queue, nq) < 0) {
+        if (probe && now >= probe && (nq = tail_probe(r, now, queue)) && send_slots(r, queue, nq) < 0) {
             rc = SA_CALL_OSERROR;
             break;
         }

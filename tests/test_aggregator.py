@@ -230,7 +230,8 @@ def test_counters_layout(agg: SoftwareAggregator) -> None:
     agg.add_job(3, 1, 0, 1, 8, 1, fake_addrs(1))
     c = agg.counters()
     assert set(c) == {
-        "rx", "tx", "rx_bytes", "tx_bytes", "gso_sends", "gro_receives", "drops", "faults", "jobs", "threads",
+        "rx", "tx", "rx_bytes", "tx_bytes", "gso_sends", "gro_receives",
+        "status_resend", "status_hold", "drops", "faults", "jobs", "threads",
     }  # fmt: skip
     assert len(c["threads"]) == agg.threads
     assert all(set(t) == {"rx", "tx", "dropped", "aggregated", "misrouted"} for t in c["threads"])

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "host/csrc"
-ENGINES = ("aggregator", "worker", "quant", "sockets")
+ENGINES = ("aggregator", "gaps", "worker", "quant", "sockets")
 SOURCES = [CSRC / "tests/test_engines.c", *(CSRC / f"{name}.c" for name in ENGINES)]
 FLAGS = ["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-fno-strict-aliasing"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover"]

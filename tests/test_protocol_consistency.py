@@ -29,6 +29,8 @@ def test_c_constants_match_protocol_py() -> None:
         "UDP_PORT",
         "MSG_DATA",
         "MSG_RESULT",
+        "MSG_STATUS",
+        "STATUS_LAG",
         "FLAG_PRIME",
         "FLAG_FLOAT",
         "FLAG_ABORT",

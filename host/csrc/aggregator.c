@@ -34,6 +34,7 @@
 
 #include "clock.h"
 #include "errmsg.h"
+#include "gaps.h"
 #include "sockets.h"
 
 #define OUT_PAYLOADS 64              /* result payload buffers before a forced flush */
@@ -80,6 +81,10 @@ struct job {
     uint8_t *poison;                 /* SA_POISON_FLAGS the round got: its result carries no sum */
     /* Leaf only, per state index: the value is the spine's result. */
     uint8_t *final;
+    /* Loss notices (docs/PROTOCOL.md): which rank skipped which round; per state index, whether the
+     * ranks the round has were told to wait for the missing ones. */
+    struct sa_gaps gaps;
+    uint8_t *held;
 };
 
 static void job_free(struct job *j) {
@@ -95,6 +100,8 @@ static void job_free(struct job *j) {
     free(j->rflags);
     free(j->poison);
     free(j->final);
+    free(j->held);
+    sa_gaps_free(&j->gaps);
     free(j->ctr);
     free(j);
 }
@@ -286,8 +293,9 @@ static uint8_t *take_payload(struct sa_agg_thread *t) {
     return t->out_payloads + (t->n_payloads++) * SA_RX_BUF;
 }
 
+/* payload NULL: the one word `word` (a STATUS) */
 static void queue_msg(struct sa_agg_thread *t, const struct sa_header *h, uint8_t type, uint16_t rank, int8_t exp,
-                      const uint8_t *payload, size_t len, const struct sockaddr_in *dst) {
+                      const uint8_t *payload, size_t len, const struct sockaddr_in *dst, uint32_t word) {
     int copies = 1;
     if (t->a->drop_out > 0 && sa_rand01(&t->rng) < t->a->drop_out) {
         t->faults[SA_F_DROPPED_OUT]++;
@@ -304,7 +312,8 @@ static void queue_msg(struct sa_agg_thread *t, const struct sa_header *h, uint8_
         o->head.type = type;
         o->head.rank = htons(rank);
         o->head.exp = exp;
-        o->payload = payload;
+        o->word = word;
+        o->payload = payload ? payload : (const uint8_t *)&o->word;
         o->payload_len = len;
         o->dst = *dst;
     }
@@ -343,7 +352,7 @@ static int same_addr(const struct sockaddr_in *x, const struct sockaddr_in *y) {
 /* RESULT(value[si]) to rank r alone. */
 static void unicast(struct sa_agg_thread *t, const struct job *j, uint32_t pool, size_t si, uint32_t r) {
     struct sa_header rh = round_header(j, pool, si);
-    queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(t, j, si), 4 * (size_t)j->k, &j->addrs[r]);
+    queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)r, rh.exp, encode_result(t, j, si), 4 * (size_t)j->k, &j->addrs[r], 0);
 }
 
 /* RESULT(value[si]) to every rank with an address here. */
@@ -352,7 +361,7 @@ static void multicast(struct sa_agg_thread *t, struct job *j, uint32_t pool, siz
     const uint8_t *out = encode_result(t, j, si);
     for (uint32_t q = 0; q < j->n; q++) {
         if (j->local_mask >> q & 1)
-            queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)q, rh.exp, out, 4 * (size_t)j->k, &j->addrs[q]);
+            queue_msg(t, &rh, SA_MSG_RESULT, (uint16_t)q, rh.exp, out, 4 * (size_t)j->k, &j->addrs[q], 0);
     }
     j->ctr[t->index].c[JC_MULTICAST]++;
 }
@@ -362,21 +371,53 @@ static void send_partial(struct sa_agg_thread *t, const struct job *j, uint32_t 
     struct sa_header up = round_header(j, slot | (s ? SA_POOL_SET_BIT : 0), si);
     up.key = 0; /* a DATA carries no key */
     const uint8_t *out = encode_result(t, j, si);
-    queue_msg(t, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream);
+    queue_msg(t, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream, 0);
+}
+
+/* A STATUS of state index si's round to rank r: the round's identity and the ranks it has. */
+static void status_to(struct sa_agg_thread *t, const struct job *j, size_t si, uint32_t r) {
+    uint32_t pool = (j->base + (uint32_t)(si / 2)) | (si & 1 ? SA_POOL_SET_BIT : 0);
+    struct sa_header h = round_header(j, pool, si);
+    h.flags = j->rflags[si] & SA_IDENTITY_FLAGS;
+    h.elems = htons(1);
+    queue_msg(t, &h, SA_MSG_STATUS, (uint16_t)r, SA_EXP_NONE, NULL, 4, &j->addrs[r], htonl(j->bitmap[si]));
+}
+
+struct skip_ctx {
+    struct sa_agg_thread *t;
+    struct job *j;
+};
+
+/* The detector found rank r past round si (gaps.h): if the round still waits for r, tell r to resend,
+ * and (once per round) tell the ranks it has to wait rather than resend too. */
+static void on_skip(void *p, uint32_t si, uint32_t r) {
+    struct skip_ctx *x = p;
+    struct job *j = x->j;
+    uint32_t bit = 1u << r;
+    if (j->cnt[si] == j->m || (j->bitmap[si] & bit) || !(j->local_mask & bit)) return;
+    status_to(x->t, j, si, r);
+    x->t->status_resend++;
+    if (j->held[si]) return;
+    j->held[si] = 1;
+    for (uint32_t q = 0; q < j->n; q++)
+        if (j->bitmap[si] >> q & 1) {
+            status_to(x->t, j, si, q);
+            x->t->status_hold++;
+        }
 }
 
 /* The slot a packet of job j addresses (its index in the job and its shadow set), or 0 with the
- * drop counted when the slot is not the job's or the payload is not exactly K values, or when the
- * slot is not this thread's. */
+ * drop counted when the slot is not the job's or the payload is not exactly `words` values (K, or a
+ * STATUS's one), or when the slot is not this thread's. */
 static int job_slot(struct sa_agg_thread *t, const struct job *j, const struct sa_header *h, size_t len,
-                    uint32_t *local, uint32_t *s) {
+                    uint32_t words, uint32_t *local, uint32_t *s) {
     uint32_t pool = ntohs(h->pool);
     uint32_t slot = pool & SA_POOL_SLOT_MASK;
     if (slot < j->base || slot >= j->base + j->count) {
         t->drops[SA_DROP_BAD_POOL]++;
         return 0;
     }
-    if (len != SA_HEADER_LEN + 4 * (size_t)j->k || ntohs(h->elems) != j->k) {
+    if (len != SA_HEADER_LEN + 4 * (size_t)words || ntohs(h->elems) != words) {
         t->drops[SA_DROP_TRUNCATED]++;
         return 0;
     }
@@ -408,7 +449,7 @@ static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t l
         return;
     }
     uint32_t local, s;
-    if (!job_slot(t, j, h, len, &local, &s)) return;
+    if (!job_slot(t, j, h, len, j->k, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
     /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. The
      * spine's result carries the partial's identity, and its poison if any round below had one. */
@@ -423,6 +464,39 @@ static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t l
     j->poison[si] = h->flags & SA_POISON_FLAGS;
     j->final[si] = 1;
     multicast(t, j, ntohs(h->pool), si);
+}
+
+/* A STATUS: only a leaf takes one, only from its spine: if the spine's round waits for this leaf's
+ * partial, the partial was lost on the way up, and is sent again. */
+static void process_status(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+    const struct sa_header *h = (const struct sa_header *)buf;
+    struct job *j = t->a->jobs[ntohs(h->job)];
+    if (j == NULL || !j->leaf) { /* nobody sends an aggregator a STATUS but a spine */
+        t->drops[SA_DROP_BAD_TYPE]++;
+        return;
+    }
+    if (ntohs(h->rank) != j->leaf_index) {
+        t->drops[SA_DROP_BAD_RANK]++;
+        return;
+    }
+    if (!same_addr(&j->upstream, src)) {
+        t->drops[SA_DROP_SPOOFED]++;
+        return;
+    }
+    uint32_t local, s;
+    if (!job_slot(t, j, h, len, 1, &local, &s)) return;
+    size_t si = 2 * (size_t)local + s;
+    uint32_t have;
+    memcpy(&have, buf + SA_HEADER_LEN, sizeof have);
+    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != j->key ||
+        ntohl(h->offset) != j->roffset[si] || ntohl(h->call) != j->rcall[si] ||
+        ntohl(h->total) != j->rtotal[si] || (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS)) {
+        j->ctr[t->index].c[JC_STALE]++;
+        return;
+    }
+    if (ntohl(have) >> j->leaf_index & 1) return; /* the spine has it: its result is on the way */
+    send_partial(t, j, j->base + local, s, si);
+    j->ctr[t->index].c[JC_UPSTREAM_RESENT]++;
 }
 
 static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
@@ -441,6 +515,10 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
     }
     if (h->type == SA_MSG_RESULT) {
         process_result(t, buf, len, src);
+        return;
+    }
+    if (h->type == SA_MSG_STATUS) {
+        process_status(t, buf, len, src);
         return;
     }
     if (h->type != SA_MSG_DATA) {
@@ -462,7 +540,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
         return;
     }
     uint32_t local, s;
-    if (!job_slot(t, j, h, len, &local, &s)) return;
+    if (!job_slot(t, j, h, len, j->k, &local, &s)) return;
     const uint32_t k = j->k;
     uint32_t bit = 1u << r;
 
@@ -489,6 +567,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
             j->roffset[si] = ntohl(h->offset);
             j->rflags[si] = h->flags;
             j->poison[si] = poison;
+            j->held[si] = 0;
             if (j->leaf) j->final[si] = 0;
         } else {
             int differs = ntohl(h->call) != j->rcall[si] || ntohl(h->total) != j->rtotal[si] ||
@@ -512,6 +591,12 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
             j->cnt[si]++;
         }
         j->ctr[t->index].c[JC_AGGREGATED]++;
+        struct skip_ctx ctx = {t, j};
+        sa_gaps_note(&j->gaps, (j->base + local) % SA_STEER_CLASSES, (uint32_t)si, r, first, on_skip, &ctx);
+        if (j->held[si] && j->cnt[si] != j->m) { /* came after the others were told to wait: wait too */
+            status_to(t, j, si, r);
+            t->status_hold++;
+        }
         if (j->cnt[si] == j->m) {
             if (j->leaf) {
                 send_partial(t, j, j->base + local, s, si);
@@ -730,6 +815,7 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->first_local = (uint32_t)__builtin_ctz(j->local_mask);
     size_t count = spec->count;
     if (j->leaf && (j->final = calloc(2 * count, sizeof *j->final)) == NULL) goto nomem;
+    if (sa_gaps_init(&j->gaps, 2 * count) != 0 || (j->held = calloc(2 * count, 1)) == NULL) goto nomem;
     j->ctr = aligned_alloc(64, (size_t)a->nthreads * sizeof *j->ctr);
     if (j->ctr == NULL) goto nomem;
     memset(j->ctr, 0, (size_t)a->nthreads * sizeof *j->ctr);
@@ -825,6 +911,8 @@ int sa_agg_counters(struct sa_agg *a, struct sa_agg_counters *out) {
             out->tx_bytes += t->tx_bytes;
             out->gso_sends += t->gso_sends;
             out->gro_receives += t->gro_receives;
+            out->status_resend += t->status_resend;
+            out->status_hold += t->status_hold;
             for (int d = 0; d < SA_DROP_NREASONS; d++) {
                 out->drops[d] += t->drops[d];
                 tc->dropped += t->drops[d];

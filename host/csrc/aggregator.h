@@ -56,6 +56,7 @@ struct sa_agg_counters {
     uint64_t rx, tx, drops[SA_DROP_NREASONS], faults[SA_F_N]; /* summed over the threads */
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes, summed over the threads */
     uint64_t gso_sends, gro_receives; /* sends of several results at once, receives of several datagrams */
+    uint64_t status_resend, status_hold; /* loss notices sent: to a rank a round waits for, to one it has */
     size_t njobs;
     struct sa_job_counters *jobs;    /* malloc'ed */
     int nthreads;
@@ -67,6 +68,7 @@ struct out_msg {
     const uint8_t *payload;
     size_t payload_len;
     struct sockaddr_in dst;
+    uint32_t word;                   /* a STATUS's payload (payload points here) */
 };
 
 struct job;
@@ -86,6 +88,7 @@ struct sa_agg_thread {
     uint64_t rx, tx, misrouted, drops[SA_DROP_NREASONS], faults[SA_F_N];
     uint64_t rx_bytes, tx_bytes;     /* UDP payload bytes: datagrams as received, results as sent */
     uint64_t gso_sends, gro_receives;
+    uint64_t status_resend, status_hold;
     int gso, gro;                    /* UDP GSO sends and UDP_GRO receives are on (sa_agg_open, SWITCHAGG_GSO) */
     /* Owned by the thread while serving: */
     uint8_t *rx_bufs;

@@ -9,6 +9,8 @@
 #define SA_UDP_PORT 48879
 #define SA_MSG_DATA 1
 #define SA_MSG_RESULT 2
+#define SA_MSG_STATUS 3 /* software aggregator -> worker: a round waits for the ranks not in its bitmap */
+#define SA_STATUS_LAG 3 /* rounds of a class a rank contributes to after one it skipped: then it is missing */
 #define SA_FLAG_PRIME 0x01
 #define SA_FLAG_FLOAT 0x02
 #define SA_FLAG_ABORT 0x04

@@ -57,6 +57,7 @@ typedef struct {
     int passed;        /* results of packets first sent after its latest transmission, come back before its own */
     int fast_done;     /* fast-retransmitted this round (a second answer of the round then shows it spurious) */
     int probe;         /* resent as a tail loss probe this round */
+    int held;          /* the aggregator has its packet and waits for a peer's resend (a STATUS said) */
     int lost;          /* its timer expired: resent when returning results make room (slow start) */
     int retried;       /* Karn: no RTT sample from a retransmitted packet */
     int queued;        /* its packet is built but waits for room in the window */
@@ -196,6 +197,8 @@ typedef struct {
     int8_t *exp_local, *exp_max; /* per chunk (narrow lanes: nb scale bytes per chunk) */
     slot_t *slots;
     size_t active, done;
+    size_t *ready;        /* queued slots in the order their results came (a ring of `active`) */
+    size_t ready_head, ready_len;
     size_t outstanding; /* sent and unanswered, at most w->window */
     uint64_t seq;         /* first transmissions so far (resends keep their packet's place) */
     uint64_t last_result; /* ns: the latest matching result (restarts every retransmission timer) */
@@ -447,6 +450,12 @@ static void take_sum(run_t *r, int64_t c, const struct sa_header *h, const uint3
     }
 }
 
+/* Slot i waits for room in the window, behind the slots queued before it. */
+static void enqueue(run_t *r, size_t i) {
+    r->slots[i].queued = 1;
+    r->ready[(r->ready_head + r->ready_len++) % r->active] = i;
+}
+
 /* Advance slot i after its result arrived; returns 1 if a new packet is outstanding. */
 static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
     struct sa_worker *w = r->w;
@@ -480,7 +489,7 @@ static int advance_slot(run_t *r, size_t i, const uint8_t *pkt, uint64_t now) {
         }
         s->chunk = next;
     }
-    s->queued = 1;
+    enqueue(r, i);
     build_packet(r, i);
     return 1;
 }
@@ -497,33 +506,23 @@ static void start_timer(run_t *r, size_t i, uint64_t now) {
     s->passed = 0;
     s->fast_done = 0;
     s->probe = 0;
+    s->held = 0;
     r->outstanding++;
 }
 
-/* Move queued slots into the window, lowest chunk first, and append them to `out`. Chunk order
- * is what makes every worker send in the same order however its results were batched, which
- * fast retransmit relies on. When all of them fit (the usual case: the window is the job's slot
- * count) they are released at once, sorted by chunk (an insertion sort: few, nearly in order). */
+/* Move queued slots into the window in the order their results came, and append them to `out`.
+ * Every worker gets the results in the same order (the aggregator sends each round's to all at
+ * once), so every worker sends in the same order however its receives were batched: fast retransmit
+ * and the aggregator's loss notices rely on it. (Sorting a batch by chunk would not: a worker that
+ * takes results one at a time sends a late slot's next chunk after higher ones, one that takes
+ * them in a batch before.) */
 static size_t release(run_t *r, uint64_t now, size_t *out, size_t nout) {
-    size_t room = (size_t)r->w->window - r->outstanding, queued = 0;
-    for (size_t i = 0; i < r->active; i++) queued += r->slots[i].queued != 0;
-    if (queued <= room) {
-        size_t first = nout;
-        for (size_t i = 0; i < r->active; i++) {
-            if (!r->slots[i].queued) continue;
-            size_t j = nout++;
-            for (; j > first && r->slots[out[j - 1]].chunk > r->slots[i].chunk; j--) out[j] = out[j - 1];
-            out[j] = i;
-        }
-        for (size_t j = first; j < nout; j++) start_timer(r, out[j], now);
-        return nout;
-    }
-    for (; room > 0; room--) {
-        size_t best = r->active;
-        for (size_t i = 0; i < r->active; i++)
-            if (r->slots[i].queued && (best == r->active || r->slots[i].chunk < r->slots[best].chunk)) best = i;
-        start_timer(r, best, now); /* queued > room: one is always found */
-        out[nout++] = best;
+    size_t room = (size_t)r->w->window - r->outstanding;
+    for (; room > 0 && r->ready_len > 0; room--, r->ready_len--) {
+        size_t i = r->ready[r->ready_head];
+        r->ready_head = (r->ready_head + 1) % r->active;
+        start_timer(r, i, now);
+        out[nout++] = i;
     }
     return nout;
 }
@@ -547,6 +546,7 @@ static void resend(run_t *r, slot_t *s, uint64_t now) {
     s->xmit_at = now;
     s->xmit_seq = r->seq;
     s->passed = 0;
+    s->held = 0;
     s->deadline = now + s->rto;
 }
 
@@ -564,7 +564,9 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
     for (size_t j = 0; j < r->active; j++) {
         slot_t *s = &r->slots[j];
         if (s->phase == SLOT_DONE || s->queued || s->passed < FAST_RETRANSMIT) continue;
-        if (now - s->xmit_at < reorder_age) continue; /* RACK: younger than a round trip is reordering */
+        /* RACK: younger than a round trip is reordering; a held packet waits for the peer's resend to come
+         * through the peer's queue: a round trip more */
+        if (now - s->xmit_at < (s->held ? 2 * reorder_age : reorder_age)) continue;
         s->fast_done = 1;
         if (s->lost) { /* resent now: not again when its turn after the timeout comes */
             s->lost = 0;
@@ -597,6 +599,49 @@ static void note_spurious(struct sa_worker *w, slot_t *s) {
         if (w->reo_steps < REO_MAX_STEPS) w->reo_steps++;
     }
     s->watch = 0; /* once per round */
+}
+
+/* A STATUS from the aggregator (docs/PROTOCOL.md, Loss notices): slot i's round waits for the ranks not
+ * in its bitmap. This rank in it: its packet is there, a peer's is being resent, so RACK waits a round
+ * trip from now before resending (a resend would be ignored). Not in it, and the round is our outstanding
+ * one, or the one after it (our result of that one was lost): resend the outstanding packet now, unless
+ * it went out within half a round trip (the notice may predate it). Appends a resend to `out`. */
+static size_t take_status(run_t *r, const uint8_t *pkt, uint64_t now, size_t *out, size_t nout) {
+    struct sa_worker *w = r->w;
+    const struct sa_header *h = (const struct sa_header *)pkt;
+    if (h->version != SA_VERSION || ntohs(h->job) != w->job || ntohs(h->rank) != w->rank || ntohs(h->elems) != 1 ||
+        ntohl(h->key) != w->key || ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len)
+        return nout;
+    uint16_t pool = ntohs(h->pool);
+    long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
+    if (i < 0 || (size_t)i >= r->active) return nout;
+    slot_t *s = &r->slots[i];
+    if (s->phase == SLOT_DONE || s->queued) return nout;
+    uint32_t have, offset = ntohl(h->offset), mine = (uint32_t)((size_t)s->chunk * r->vals);
+    memcpy(&have, pkt + SA_HEADER_LEN, sizeof have);
+    int set = (pool & SA_POOL_SET_BIT) ? 1 : 0, prime = (h->flags & SA_FLAG_PRIME) != 0;
+    int ours = set == w->sets[i] && offset == mine && prime == (s->phase == SLOT_PRIME);
+    uint32_t after = s->phase == SLOT_PRIME ? mine : (uint32_t)((size_t)(s->chunk + w->slot_count) * r->vals);
+    int next = set != w->sets[i] && !prime && offset == after;
+    if (ours && (ntohl(have) >> w->rank & 1)) { /* hold */
+        s->xmit_at = now;
+        s->xmit_seq = r->seq;
+        s->passed = 0;
+        s->held = 1;
+        w->stats.status_holds++;
+        return nout;
+    }
+    uint64_t srtt = w->srtt_ns ? w->srtt_ns : w->rto_ns;
+    if (!(ours || next) || (ntohl(have) >> w->rank & 1) || now - s->xmit_at < srtt / 2) return nout;
+    if (s->lost) { /* resent now: not again when its turn after a timeout comes */
+        s->lost = 0;
+        r->lost--;
+    }
+    resend(r, s, now);
+    w->stats.status_resends++;
+    w->stats.retransmits++;
+    out[nout++] = (size_t)i;
+    return nout;
 }
 
 /* Is this datagram the answer to slot's outstanding request? Returns the slot index, or -1 (not an
@@ -707,12 +752,13 @@ static int run_call(run_t *r, int abort) {
     if (r->chunks == 0) return SA_CALL_OK;
     r->active = r->chunks < (size_t)w->slot_count ? r->chunks : (size_t)w->slot_count;
     r->slots = calloc(r->active, sizeof *r->slots);
+    r->ready = malloc(r->active * sizeof *r->ready);
     size_t *queue = malloc(r->active * sizeof *queue);
     if (r->kind == 'f') {
         r->exp_local = calloc(r->chunks, r->nb);
         r->exp_max = calloc(r->chunks, r->nb);
     }
-    if (!r->slots || !queue || (r->kind == 'f' && (!r->exp_local || !r->exp_max))) {
+    if (!r->slots || !r->ready || !queue || (r->kind == 'f' && (!r->exp_local || !r->exp_max))) {
         free(queue);
         return SA_CALL_NOMEM;
     }
@@ -731,7 +777,7 @@ static int run_call(run_t *r, int abort) {
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;
         r->slots[i].phase = abort ? SLOT_ABORT : r->kind == 'f' ? SLOT_PRIME : SLOT_DATA;
-        r->slots[i].queued = 1;
+        enqueue(r, i);
         build_packet(r, i);
     }
     if (send_slots(r, queue, release(r, now, queue, 0)) < 0) {
@@ -797,9 +843,14 @@ static int run_call(run_t *r, int abort) {
                 if (w->gro && step < total) w->stats.gro_receives++;
             }
             now = sa_now_ns();
+            size_t nstatus = 0; /* resends STATUS notices asked for, first in the queue */
             for (size_t j = 0; j < nseg && rc == SA_CALL_OK; j++) {
                 const uint8_t *pkt = seg[j];
                 size_t len = seg_len[j];
+                if (len == SA_HEADER_LEN + 4 && ((const struct sa_header *)pkt)->type == SA_MSG_STATUS) {
+                    nstatus = take_status(r, pkt, now, queue, nstatus);
+                    continue;
+                }
                 int poisoned = 0;
                 long i = match_result(r, pkt, len, &poisoned);
                 if (i < 0) {
@@ -829,7 +880,7 @@ static int run_call(run_t *r, int abort) {
                 advance_slot(r, (size_t)i, pkt, now);
             }
             if (rc != SA_CALL_OK) break;
-            nq = release(r, now, queue, resend_lost(r, now, queue, fast_retransmits(r, now, queue, 0)));
+            nq = release(r, now, queue, resend_lost(r, now, queue, fast_retransmits(r, now, queue, nstatus)));
         }
         if (nq && send_slots(r, queue, nq) < 0) {
             rc = SA_CALL_OSERROR;
@@ -862,9 +913,12 @@ static int run_call(run_t *r, int abort) {
             /* Slow start anew: the oldest at once, the rest as results return. But if nothing came
              * back since the last timeout, all of them: a slot completes only when every rank's
              * packet is in, and ranks that each resent only their own oldest could wait on each
-             * other for ever. */
+             * other for ever. Not before the call's first result, though: then every rank's oldest is
+             * the same (chunk 0's), and the first window may still be queued on a slow link (a round
+             * trip measured in a small earlier call says nothing of it): a window resent into that
+             * queue would only lengthen it. */
             if (expired) {
-                r->lost_budget = r->last_result < r->last_expiry ? r->lost : 1;
+                r->lost_budget = r->last_result && r->last_result < r->last_expiry ? r->lost : 1;
                 r->frto = lost_before ? 2 : 0;
                 r->last_expiry = now;
             }
@@ -986,6 +1040,7 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
     w->busy = 0;
     int err = errno;
     free(r.slots);
+    free(r.ready);
     free(r.exp_local);
     free(r.exp_max);
     switch (rc) {

@@ -16,6 +16,8 @@ struct sa_worker_stats {
     unsigned long long gso_sends;       /* sends of several packets at once (UDP GSO) */
     unsigned long long gro_receives;    /* receives of several results at once (UDP GRO) */
     unsigned long long lane_bytes[3];   /* datagram bytes of completed calls' first sends, by lane width 32/16/8 */
+    unsigned long long status_resends;  /* resends a STATUS asked for: the round waits for this rank */
+    unsigned long long status_holds;    /* STATUS notices that the round has this rank's packet: no resend */
 };
 
 struct sa_worker {

@@ -15,7 +15,11 @@ UDP_PORT = 48879  # 0xBEEF
 
 MSG_DATA = 1  # worker -> aggregator: a contribution
 MSG_RESULT = 2  # aggregator -> worker: the finished sum of a slot
-MSG_NAMES = {MSG_DATA: "DATA", MSG_RESULT: "RESULT"}
+# software aggregator -> worker (or leaf): a round waits for a contribution that a rank sent past
+# (docs/PROTOCOL.md, Loss notices); one word of payload, the ranks the round has
+MSG_STATUS = 3
+MSG_NAMES = {MSG_DATA: "DATA", MSG_RESULT: "RESULT", MSG_STATUS: "STATUS"}
+STATUS_LAG = 3  # rounds of its steering class a rank contributes to after one it skipped: then it is missing
 
 FLAG_PRIME = 0x01  # payload is zero; the packet only carries an exponent ahead
 FLAG_FLOAT = 0x02  # the payload is quantized float32 (clear: int32); part of the call's identity

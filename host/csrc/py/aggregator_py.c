@@ -193,6 +193,8 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *unused) {
     if (set_u64(res, "rx", c.rx) < 0 || set_u64(res, "tx", c.tx) < 0) goto fail;
     if (set_u64(res, "rx_bytes", c.rx_bytes) < 0 || set_u64(res, "tx_bytes", c.tx_bytes) < 0) goto fail;
     if (set_u64(res, "gso_sends", c.gso_sends) < 0 || set_u64(res, "gro_receives", c.gro_receives) < 0) goto fail;
+    if (set_u64(res, "status_resend", c.status_resend) < 0 || set_u64(res, "status_hold", c.status_hold) < 0)
+        goto fail;
     for (int i = 0; i < SA_DROP_NREASONS; i++)
         if (set_u64(d, sa_drop_names[i], c.drops[i]) < 0) goto fail;
     for (int i = 0; i < SA_F_N; i++)

@@ -4,8 +4,9 @@
 static PyObject *constants(PyObject *self, PyObject *unused) {
     /* Exposed so that tests can compare the C constants with protocol.py. */
     return Py_BuildValue(
-        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
         "VERSION", SA_VERSION, "UDP_PORT", SA_UDP_PORT, "MSG_DATA", SA_MSG_DATA, "MSG_RESULT", SA_MSG_RESULT,
+        "MSG_STATUS", SA_MSG_STATUS, "STATUS_LAG", SA_STATUS_LAG,
         "FLAG_PRIME", SA_FLAG_PRIME, "FLAG_FLOAT", SA_FLAG_FLOAT, "FLAG_ABORT", SA_FLAG_ABORT,
         "FLAG_MISMATCH", SA_FLAG_MISMATCH, "EXP_TOP", SA_EXP_TOP, "EXP_NONFINITE", SA_EXP_NONFINITE, "POOL_SET_BIT", SA_POOL_SET_BIT, "POOL_SLOT_MASK", SA_POOL_SLOT_MASK,
         "EXP_NONE", SA_EXP_NONE, "HEADER_LEN", SA_HEADER_LEN, "MAX_WORKERS", SA_MAX_WORKERS, "P4_K", SA_P4_K,

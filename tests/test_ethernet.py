@@ -176,7 +176,8 @@ def test_recovery_at_frame_loss_is_exact(bed: Testbed, loss: float) -> None:
     lost = sum(e.lost() for e in bed.endpoints)
     sent = sum(s["sent"] for s in stats)
     resent = sum(s["retransmits"] for s in stats)
-    kinds = {k: sum(s[k] for s in stats) for k in ("fast_retransmits", "tail_probes", "timeouts")}
+    names = ("fast_retransmits", "status_resends", "status_holds", "tail_probes", "timeouts")
+    kinds = {k: sum(s[k] for s in stats) for k in names}
     print(
         f"\n{loss}% frame loss: {lost} frames lost of ~{2 * sent}, {resent} resends of {sent} packets {kinds}"
     )

@@ -52,6 +52,7 @@ from switchagg.protocol import (
     LANE_FLAGS,
     MSG_DATA,
     MSG_RESULT,
+    MSG_STATUS,
     POISON_FLAGS,
     POOL_SET_BIT,
     POOL_SLOT_MASK,
@@ -148,8 +149,9 @@ class JobSpec:
 
 def classify(pkt: bytes, src: tuple[str, int], jobs: dict[int, JobSpec]) -> str:
     """What the aggregator must do with ``pkt`` from ``src``: a drop reason (protocol.DROP_REASONS),
-    ``data:<job>`` (a contribution, retransmission or late packet of that job) or ``result:<job>``
-    (a spine's answer that a leaf takes or counts as stale). aggregator.c's checks, in its order."""
+    ``data:<job>`` (a contribution, retransmission or late packet of that job), ``result:<job>``
+    (a spine's answer that a leaf takes or counts as stale) or ``status:<job>`` (a spine's loss notice
+    that a leaf acts on, counts as stale or needs nothing for). aggregator.c's checks, in its order."""
     if len(pkt) < HEADER_LEN:
         return "truncated"
     version, type_, flags, _exp, job_id, rank, pool, elems = struct.unpack_from("!BBBbHHHH", pkt)
@@ -159,22 +161,24 @@ def classify(pkt: bytes, src: tuple[str, int], jobs: dict[int, JobSpec]) -> str:
         return "bad_type"
     job = jobs.get(job_id)
 
-    def slot_and_length(j: JobSpec) -> str | None:
+    def slot_and_length(j: JobSpec, words: int) -> str | None:
         slot = pool & POOL_SLOT_MASK
         if not j.base <= slot < j.base + j.count:
             return "bad_pool"
-        if len(pkt) != HEADER_LEN + 4 * j.k or elems != j.k:
+        if len(pkt) != HEADER_LEN + 4 * words or elems != words:
             return "truncated"
         return None
 
-    if type_ == MSG_RESULT:  # only a leaf takes one, only from its spine
+    if type_ in (MSG_RESULT, MSG_STATUS):  # only a leaf takes one, only from its spine
         if job is None or job.upstream is None:
             return "bad_type"
         if rank != job.leaf_index:
             return "bad_rank"
         if src != job.upstream:
             return "spoofed"
-        return slot_and_length(job) or f"result:{job_id}"
+        if type_ == MSG_STATUS:
+            return slot_and_length(job, 1) or f"status:{job_id}"
+        return slot_and_length(job, job.k) or f"result:{job_id}"
     if type_ != MSG_DATA:
         return "bad_type"
     if job is None:
@@ -183,7 +187,7 @@ def classify(pkt: bytes, src: tuple[str, int], jobs: dict[int, JobSpec]) -> str:
         return "bad_rank"
     if job.addrs[rank] != src:  # also a rank behind another leaf (no address here)
         return "spoofed"
-    return slot_and_length(job) or f"data:{job_id}"
+    return slot_and_length(job, job.k) or f"data:{job_id}"
 
 
 V, F, L, UNKNOWN = 11, 12, 13, 14  # victim, fuzz target (installed mid-stream), leaf, nobody's
@@ -226,7 +230,7 @@ class AggWorld:
         k = spec.k if spec else d.choice((4, 8))
         n = spec.n if spec else 2
         version = VERSION if d.integer(0, 15) else d.choice((0, 1, VERSION + 1, 255))
-        type_ = d.choice((MSG_DATA,) * 6 + (MSG_RESULT, MSG_RESULT, 0, 3, 255))
+        type_ = d.choice((MSG_DATA,) * 6 + (MSG_RESULT, MSG_RESULT, MSG_STATUS, 0, 4, 255))
         rank = d.integer(0, n - 1) if d.integer(0, 15) else d.choice((n, 31, 32, 0xFFFF))
         base, count = (spec.base, spec.count) if spec else (0, 16)
         slot = base + d.integer(0, count - 1) if d.integer(0, 15) else d.integer(0, POOL_SLOT_MASK)
@@ -246,8 +250,9 @@ class AggWorld:
             if d.integer(0, 3)
             else d.integer(0, 255)
         )
-        elems = k if d.integer(0, 15) else d.integer(0, 0xFFFF)
-        nvalues = k if d.integer(0, 15) else d.integer(0, 2 * k + 1)
+        words = 1 if type_ == MSG_STATUS else k  # a STATUS carries one word
+        elems = words if d.integer(0, 15) else d.integer(0, 0xFFFF)
+        nvalues = words if d.integer(0, 15) else d.integer(0, 2 * k + 1)
         offset = d.choice((0, k, 2 * k)) if d.integer(0, 1) else d.integer(0, U32)
         call = d.integer(0, 3) if d.integer(0, 1) else d.integer(0, U32)
         total = d.choice((k, 4 * k)) if d.integer(0, 1) else d.integer(0, U32)
@@ -271,7 +276,7 @@ class AggWorld:
         # leaf's spine for a RESULT), else any of the sockets, foreign ones included.
         src = d.choice(SOURCES)
         if spec is not None and d.integer(0, 3):
-            if type_ == MSG_RESULT and spec.upstream is not None:
+            if type_ in (MSG_RESULT, MSG_STATUS) and spec.upstream is not None:
                 src = "spine"
             elif rank < n and spec.addrs[rank] is not None:
                 src = next(name for name, a in self.addr.items() if a == spec.addrs[rank])
@@ -362,8 +367,11 @@ class AggWorld:
         assert jobs[V]["resent"] == jobs[V]["retrans_ignored"] == 0
         work = ("aggregated", "resent", "retrans_ignored", "upstream_resent")
         assert sum(jobs[F].get(c, 0) for c in work) == predicted[f"data:{F}"], (jobs[F], predicted)
-        assert sum(jobs[L][c] for c in work) == predicted[f"data:{L}"], (jobs[L], predicted)
-        assert jobs[L]["stale_results"] + jobs[L]["multicast"] == predicted[f"result:{L}"]
+        # a spine's STATUS makes the leaf resend its partial, or counts as stale, or needs nothing
+        resent_up = sum(jobs[L][c] for c in work) - predicted[f"data:{L}"]
+        stale = jobs[L]["stale_results"] + jobs[L]["multicast"] - predicted[f"result:{L}"]
+        assert 0 <= resent_up and 0 <= stale, (jobs[L], predicted)
+        assert resent_up + stale <= predicted[f"status:{L}"], (jobs[L], predicted)
         self.totals["examples"] += 1
         self.totals["datagrams"] += sizes[0] + sizes[1]
         self.totals["malformed"] += sum(predicted[r] for r in DROP_REASONS)
@@ -446,7 +454,10 @@ def test_the_model_matches_known_cases() -> None:
     assert classify(Header(job=1, rank=2, slot=3, values=[0] * 8).pack(), a, jobs) == "bad_rank"
     assert classify(Header(job=1, rank=0, slot=4, values=[0] * 8).pack(), a, jobs) == "bad_pool"
     assert classify(Header(job=9, rank=0, slot=0, values=[0] * 8).pack(), a, jobs) == "unknown_job"
-    assert classify(Header(job=1, rank=0, slot=0, type=3, values=[0] * 8).pack(), a, jobs) == "bad_type"
+    assert classify(Header(job=1, rank=0, slot=0, type=MSG_STATUS, values=[0]).pack(), a, jobs) == "bad_type"
+    assert classify(Header(job=2, rank=0, slot=5, type=MSG_STATUS, values=[0]).pack(), x, jobs) == "status:2"
+    status_of_k = Header(job=2, rank=0, slot=5, type=MSG_STATUS, values=[0] * 8).pack()
+    assert classify(status_of_k, x, jobs) == "truncated"
     assert (
         classify(Header(job=1, rank=0, slot=3, flags=LANE_FLAGS, values=[0] * 8).pack(), a, jobs)
         == "bad_type"

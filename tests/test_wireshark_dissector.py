@@ -180,7 +180,7 @@ def test_malformed_packets_get_the_aggregators_drop_reason(tmp_path: Path) -> No
     good = protocol.Header(job=1, rank=0, slot=2, values=[1, 2, 3, 4])
     cases = {
         f"version 9, expected {protocol.VERSION}": protocol.Header(**{**good.__dict__, "version": 9}).pack(),
-        "type 7 is neither DATA nor RESULT": protocol.Header(**{**good.__dict__, "type": 7}).pack(),
+        "type 7 is neither DATA, RESULT nor STATUS": protocol.Header(**{**good.__dict__, "type": 7}).pack(),
         "LANES 0x30 names no lane width": protocol.Header(**{**good.__dict__, "flags": 0x32}).pack(),
         "elems says 4 values, the payload has 12 bytes": good.pack()[:-4],
         "elems says 4 values, the payload has 18 bytes": good.pack() + b"\x00\x01",

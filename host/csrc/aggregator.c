@@ -592,7 +592,8 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
         }
         j->ctr[t->index].c[JC_AGGREGATED]++;
         struct skip_ctx ctx = {t, j};
-        sa_gaps_note(&j->gaps, (j->base + local) % SA_STEER_CLASSES, (uint32_t)si, r, first, on_skip, &ctx);
+        if (t->a->notices)
+            sa_gaps_note(&j->gaps, (j->base + local) % SA_STEER_CLASSES, (uint32_t)si, r, first, on_skip, &ctx);
         if (j->held[si] && j->cnt[si] != j->m) { /* came after the others were told to wait: wait too */
             status_to(t, j, si, r);
             t->status_hold++;
@@ -760,6 +761,8 @@ int sa_agg_open(struct sa_agg *a, const char *host, int port, int nthreads, cons
     }
     a->port = ntohs(sa.sin_port);
     snprintf(a->host, sizeof a->host, "%s", host);
+    const char *notices = getenv("SWITCHAGG_LOSS_NOTICES"); /* =0: off, e.g. to measure what they save */
+    a->notices = !(notices && strcmp(notices, "0") == 0);
     a->drop_in = probs[0];
     a->dup_in = probs[1];
     a->drop_out = probs[2];

@@ -125,6 +125,7 @@ struct sa_agg {
     int port;
     char host[INET_ADDRSTRLEN];
     double drop_in, dup_in, drop_out, dup_out; /* fault injection probabilities */
+    int notices;                     /* loss notices (STATUS) are sent: unless SWITCHAGG_LOSS_NOTICES=0 */
     atomic_int stop_requested;
     atomic_int halt;                 /* every serving thread ends its loop */
     atomic_int running;

@@ -42,7 +42,7 @@ def _table(items: dict[int, str] | dict[int, int]) -> str:
 def block() -> str:
     consts = {
         name: getattr(protocol, name)
-        for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "FLAG_PRIME")
+        for name in ("VERSION", "UDP_PORT", "MSG_DATA", "MSG_RESULT", "MSG_STATUS", "FLAG_PRIME")
         + ("POOL_SET_BIT", "POOL_SLOT_MASK", "EXP_NONE", "HEADER_LEN", "LANE_FLAGS", "SCALE_BLOCK")
     }
     lines = [BEGIN, "local C = {"]

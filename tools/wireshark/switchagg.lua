@@ -19,6 +19,7 @@ local C = {
   UDP_PORT = 48879,
   MSG_DATA = 1,
   MSG_RESULT = 2,
+  MSG_STATUS = 3,
   FLAG_PRIME = 1,
   POOL_SET_BIT = 32768,
   POOL_SLOT_MASK = 32767,
@@ -27,7 +28,7 @@ local C = {
   LANE_FLAGS = 48,
   SCALE_BLOCK = 32,
 }
-local MSG_NAMES = { [1] = "DATA", [2] = "RESULT" }
+local MSG_NAMES = { [1] = "DATA", [2] = "RESULT", [3] = "STATUS" }
 local FLAG_NAMES = { [1] = "PRIME", [2] = "FLOAT", [4] = "ABORT", [8] = "MISMATCH", [16] = "LANE16", [32] = "LANE8" }
 -- the LANES flag bits -> the payload's lane width (LANES = 0x30: none)
 local LANE_BITS = { [0] = 32, [16] = 16, [32] = 8 }
@@ -184,7 +185,7 @@ function proto.dissector(tvb, pinfo, tree)
     item.version:add_proto_expert_info(bad_version, ("version %d, expected %d"):format(v.version, C.VERSION))
   end
   if MSG_NAMES[v.type] == nil then
-    item.type:add_proto_expert_info(bad_type, ("type %d is neither DATA nor RESULT"):format(v.type))
+    item.type:add_proto_expert_info(bad_type, ("type %d is neither DATA, RESULT nor STATUS"):format(v.type))
   end
 
   local body = len - C.HEADER_LEN
@@ -202,7 +203,7 @@ function proto.dissector(tvb, pinfo, tree)
   if n ~= v.elems or body % 4 ~= 0 then
     payload:add_proto_expert_info(truncated,
       ("elems says %d values, the payload has %d bytes"):format(v.elems, body))
-  elseif bits ~= nil and bits ~= 32 and n > 0 then
+  elseif bits ~= nil and bits ~= 32 and n > 0 and v.type ~= C.MSG_STATUS then
     add_narrow(tvb, sub, n, bits)
   end
 
@@ -214,6 +215,9 @@ function proto.dissector(tvb, pinfo, tree)
     v.call, v.total)
   if #flag_names > 0 then info = info .. " [" .. table.concat(flag_names, ",") .. "]" end
   if bits ~= 32 then info = info .. (bits and (" lanes=" .. bits) or " lanes=none") end
+  if v.type == C.MSG_STATUS and n == 1 then -- the ranks the round has (docs/PROTOCOL.md, Loss notices)
+    info = info .. (" have=0x%08x"):format(tvb(C.HEADER_LEN, 4):uint())
+  end
   pinfo.cols.info = info
   sub:append_text(", " .. info)
   return len

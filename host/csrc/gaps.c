@@ -47,12 +47,17 @@ void sa_gaps_note(struct sa_gaps *g, uint32_t cls, uint32_t si, uint32_t rank, i
         ring_si[e & (g->ring - 1)] = si;
         ring_epoch[e & (g->ring - 1)] = e;
     }
-    uint32_t e = g->epoch_of[si];
-    if (ahead(e, c->seen[rank]) <= 0) return; /* an older round (a resend, or a rank behind): nothing new */
-    c->seen[rank] = e;
+    uint32_t *recent = c->recent[rank];
+    recent[c->next_recent[rank]] = g->epoch_of[si];
+    c->next_recent[rank] = (uint8_t)((c->next_recent[rank] + 1) % SA_STATUS_LAG);
+    uint32_t oldest = recent[0]; /* of the last SA_STATUS_LAG: every round before it was skipped */
+    for (int i = 0; i < SA_STATUS_LAG; i++) {
+        if (recent[i] == 0) return; /* fewer than SA_STATUS_LAG contributions so far */
+        if (ahead(recent[i], oldest) < 0) oldest = recent[i];
+    }
     uint32_t *next = &c->checked[rank];
-    if (ahead(e, *next) > (int32_t)g->ring) *next = e - g->ring; /* the rest was overwritten */
-    for (; ahead(e - SA_STATUS_LAG, *next) >= 0; (*next)++) {
+    if (ahead(oldest, *next) > (int32_t)g->ring) *next = oldest - g->ring; /* the rest was overwritten */
+    for (; ahead(oldest, *next) > 0; (*next)++) {
         uint32_t slot = *next & (g->ring - 1), old = ring_si[slot];
         if (ring_epoch[slot] == *next && g->epoch_of[old] == *next) skipped(ctx, old, rank);
     }

@@ -188,6 +188,7 @@ def measure(
         "fast_retransmits": sum(r.get("fast_retransmits", 0) for r in reports),
         "tail_probes": sum(r.get("tail_probes", 0) for r in reports),
         "timeouts": sum(r.get("timeouts", 0) for r in reports),
+        "status_resends": sum(r.get("stats", {}).get("status_resends", 0) for r in reports),
         "bytes_lanes": reports[0].get("bytes_lanes", {}),  # rank 0's datagram bytes per lane width
     }
 
@@ -356,11 +357,14 @@ def point(
     progress.step(f"{what}: gloo ({gloo_dtype(bits)})", step_weight(rate, size, reps))
     g = measure(bed, workdir, "gloo", size, reps, timeout, bits=bits)
     progress.step(f"{what}: switchagg", step_weight(rate, size, reps))
+    lost_before = sum(e.lost() for e in bed.endpoints)
     s = measure(bed, workdir, "switchagg", size, reps, timeout, agg_pid, bits)
+    lost_switchagg = sum(e.lost() for e in bed.endpoints) - lost_before
     p = {
         "rate_mbit": rate, "n": n, "size_mb": size, "mtu": bed.mtu, "loss_pct": loss, "k": k,
         "bits": bits, "gloo_dtype": gloo_dtype(bits), "bytes_lanes": s["bytes_lanes"],
-        "frames_lost": sum(e.lost() for e in bed.endpoints),
+        "frames_lost": sum(e.lost() for e in bed.endpoints),  # in both systems' runs
+        "frames_lost_switchagg": lost_switchagg,  # in switchagg's run: what its resends repaired
         "gloo_s": g["seconds"], "switchagg_s": s["seconds"], "speedup": g["seconds"] / s["seconds"],
         "ina_bound_s": bound, "ring_bound_s": ring,
         "switchagg_of_bound": bound / s["seconds"],
@@ -370,14 +374,15 @@ def point(
         "max_error_switchagg": s["max_error"], "max_error_gloo": g["max_error"],
         "runs_gloo": g["all_seconds"], "runs_switchagg": s["all_seconds"],
         "retransmits": s["retransmits"], "fast_retransmits": s["fast_retransmits"], "packets_sent": s["sent"],
-        "tail_probes": s["tail_probes"], "timeouts": s["timeouts"],
+        "tail_probes": s["tail_probes"], "timeouts": s["timeouts"], "status_resends": s["status_resends"],
     }  # fmt: skip
     print(
         f"{rate:6g} {n:2d} {size:4d}MB {bed.mtu:5d} {loss:5g} {k:5d} "
         f"{'off' if os.environ.get('SWITCHAGG_GSO') == '0' else 'on':>3} {bits:4d} {p['gloo_s']:8.2f} "
         f"{p['switchagg_s']:11.2f} {p['speedup']:7.2f}x {bound:7.2f} {p['switchagg_of_bound']:6.0%} "
         f"{g['cpu_share']:8.0%} {s['cpu_share']:6.0%} {s['retransmits']:6d} ({s['fast_retransmits']} fast, "
-        f"{s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, {p['frames_lost']} lost)",
+        f"{s['status_resends']} asked, {s['tail_probes']} probes, {s['timeouts']} timer; {s['sent']} sent, "
+        f"{lost_switchagg} frames lost)",
         flush=True,
     )
     return p

@@ -272,6 +272,29 @@ def test_the_readme_testbed_table_is_testbed_json() -> None:
         assert cells[4] == _span([p["cpu_busy_switchagg"] for p in points]), (rate, n, cells[4])
 
 
+def test_the_readme_ethernet_tables_are_their_json() -> None:
+    """Every row of the Ethernet tables (200 Mbit/s: n, MTU, loss; 1 Gbit/s: n, MTU) is its run's."""
+    section = _readme_section("### A real Ethernet: MTU 1500 and 9000, frame loss")
+    rows = re.findall(
+        r"^\| (200 Mbit/s|1 Gbit/s) \| (\d+) \| (\d+), (\d+) \| ([\d.]+)% \|(.*)\|$", section, re.M
+    )
+    assert len(rows) == 14, len(rows)
+    files = {"200 Mbit/s": "testbed_ethernet.json", "1 Gbit/s": "testbed_gbit.json"}
+    for rate, n, mtu, k, loss, rest in rows:
+        data = json.loads((RESULTS / files[rate]).read_text())
+        (p,) = [
+            p for p in data["points"]
+            if (p["n"], p["mtu"], p["k"], p["loss_pct"]) == (int(n), int(mtu), int(k), float(loss))
+        ]  # fmt: skip
+        gloo, sa, of_bound, vs, resends, cpu = (c.strip() for c in rest.split("|"))
+        assert near(gloo.removesuffix(" s"), p["gloo_s"]), (gloo, p["gloo_s"])
+        assert near(sa.removesuffix(" s"), p["switchagg_s"]), (sa, p["switchagg_s"])
+        assert of_bound == f"{round(p['switchagg_of_bound'] * 100)}%", (of_bound, p["switchagg_of_bound"])
+        assert near(vs.strip("*x"), p["speedup"]), (vs, p["speedup"])
+        assert resends == f"{p['retransmits']} / {p['frames_lost_switchagg']}", (resends, p)
+        assert cpu == f"{round(p['cpu_share_switchagg'] * 100)}%", (cpu, p["cpu_share_switchagg"])
+
+
 def test_the_readme_ddp_figures_say_which_run_they_are() -> None:
     """Two DDP results for one setup: testbed.json's older one-epoch run and time_to_accuracy.json's
     current one; each figure must be its own file's, and the README must say which is current."""

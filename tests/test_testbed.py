@@ -64,9 +64,8 @@ PREFIX = f"sat{NAME}-"
 
 def test_a_long_queue_on_a_slow_link_is_not_taken_for_loss(tmp_path: Path) -> None:
     """A window of 192 KiB (22 slots of frame-sized packets, K by the links' MTU 9000) on a 20 Mbit/s
-    link (77 ms of queue): the capped links queue it instead of dropping its tail (a token bucket holding 100 ms at
-    that rate would drop half of it and cost a resend per drop), and the queueing is not taken for
-    loss. Exact sums as ever."""
+    link, 77 ms of queue: the capped links queue it instead of dropping its tail, and the queueing is
+    not taken for loss. Exact sums as ever."""
     import numpy as np
 
     from switchagg import Session

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from switchagg import protocol
-from switchagg.aggregator import SoftwareAggregator
+from switchagg.aggregator import SoftwareAggregator, format_counters, metrics_sample
 from switchagg.protocol import MSG_RESULT, MSG_STATUS, STATUS_LAG, STEER_CLASSES, Header
 from switchagg_lab.testing.kit import local_sessions, on_every_rank, wait_rx
 
@@ -83,6 +83,8 @@ def test_a_rank_past_a_round_it_skipped_is_told_to_resend_and_the_others_to_wait
             assert (h.rank, h.key, h.elems, h.values) == (rank, KEY, 1, [0b01])  # the round has rank 0 only
         c = agg.counters()
         assert (c["status_resend"], c["status_hold"]) == (1, 1)
+        assert metrics_sample(agg).loss_notices == {"resend": 1, "hold": 1}  # switchagg_loss_notices_total
+        assert "loss notices: resend 1  hold 1" in format_counters(c)
         # rank 1's resend completes the round: its result goes to both, no further notice
         socks[1].sendto(data(1, slots[0], offset=0), agg.address)
         for s in socks[:2]:

@@ -104,6 +104,7 @@ def metrics_sample(
         bytes_received=c.get("rx_bytes"),
         bytes_sent=c.get("tx_bytes"),
         faults=c.get("faults", {}),
+        loss_notices={"resend": c.get("status_resend", 0), "hold": c.get("status_hold", 0)},
         threads=c.get("threads", []),
     )
 
@@ -277,6 +278,7 @@ def format_counters(c: Counters) -> str:
     lines.append(f"drops: {drops}")
     faults = "  ".join(f"{name} {value}" for name, value in c["faults"].items())
     lines.append(f"faults: {faults}")
+    lines.append(f"loss notices: resend {c.get('status_resend', 0)}  hold {c.get('status_hold', 0)}")
     threads = c.get("threads", [])
     if len(threads) > 1:
         for i, t in enumerate(threads):

@@ -77,6 +77,9 @@ class DataPlaneSample:
     bytes_received: int | None = None  # UDP payload bytes
     bytes_sent: int | None = None
     faults: Mapping[str, int] = field(default_factory=dict)  # the software fault injector's counts
+    # A software aggregator's loss notices sent (docs/PROTOCOL.md): "resend" to a rank a round lacks,
+    # "hold" to a rank it has
+    loss_notices: Mapping[str, int] = field(default_factory=dict)
     # A software aggregator's serving threads, each {"rx", "aggregated", "misrouted", ...}: the
     # totals above are their sums; these show how the slots' load splits over them.
     threads: Sequence[Mapping[str, int]] = ()
@@ -116,6 +119,14 @@ def _plane_totals(c: _Families, s: DataPlaneSample) -> None:
             "switchagg_faults_injected",
             "Datagrams the fault injector dropped or duplicated (tests)",
             (*SWITCH_LABELS, "fault"),
+            (*where, kind),
+            count,
+        )
+    for kind, count in s.loss_notices.items():
+        c.counter(
+            "switchagg_loss_notices",
+            "Loss notices sent: to a rank a round lacks (resend), to a rank it has (hold) (docs/PROTOCOL.md)",
+            (*SWITCH_LABELS, "kind"),
             (*where, kind),
             count,
         )
@@ -261,16 +272,28 @@ def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
     c = _Families()
     for s in sessions:
         st, labels = s.stats(), worker_labels(s)
-        fast = st.get("fast_retransmits", 0)
-        kinds = (("timeout", st.get("retransmits", 0) - fast), ("fast", fast))
+        kinds = (
+            ("timeout", st.get("timeouts", 0)),
+            ("fast", st.get("fast_retransmits", 0)),
+            ("probe", st.get("tail_probes", 0)),
+            ("asked", st.get("status_resends", 0)),
+        )
         for kind, value in kinds:
             c.counter(
                 "switchagg_worker_retransmits",
-                "Packets resent: after a retransmission timeout, or a fast retransmit (docs/PROTOCOL.md)",
+                "Packets resent: after a retransmission timeout, by fast retransmit, as a tail loss probe, "
+                "or asked for by the aggregator's loss notice (docs/PROTOCOL.md)",
                 (*WORKER_LABELS, "kind"),
                 (*labels, kind),
                 value,
             )
+        c.counter(
+            "switchagg_worker_loss_notice_holds",
+            "Loss notices saying the round has this rank's packet and waits for a peer's: no resend",
+            WORKER_LABELS,
+            labels,
+            st.get("status_holds", 0),
+        )
         c.counter(
             "switchagg_worker_spurious_retransmits",
             "Fast retransmits found unneeded: their round was answered twice (the packet was late, not lost)",

@@ -17,7 +17,7 @@ from switchagg.protocol import MSG_RESULT, MSG_STATUS, STATUS_LAG, STEER_CLASSES
 from switchagg_lab.testing.kit import local_sessions, on_every_rank, wait_rx
 
 KEY = 0x5EC12E7
-JOB, K, SLOTS = 3, 4, 32
+JOB, K, SLOTS = 3, 4, 64
 WAIT_S = 5.0
 
 
@@ -111,6 +111,26 @@ def test_no_notice_before_the_lag_nor_for_another_class_nor_when_turned_off(
             c = agg.counters()
             assert (c["status_resend"], c["status_hold"]) == (0, 0)
             assert all(h.type != MSG_STATUS for h in received(socks[1]))
+
+
+def test_a_rank_that_sends_one_round_out_of_the_leaders_order_is_not_accused(
+    socks: list[socket.socket],
+) -> None:
+    """Rank 0 (the leader, its own result of a round before late) starts four rounds of a class; rank 1,
+    in the order results really came, first starts a fifth, then sends the four: one jump ahead,
+    which a single-contribution rule would take for four losses."""
+    with SoftwareAggregator() as agg:
+        start(agg, socks)
+        slots = class_slots(5)
+        for i, slot in enumerate(slots[1:]):
+            socks[0].sendto(data(0, slot, offset=K * (i + 1)), agg.address)
+        socks[1].sendto(data(1, slots[0], offset=0), agg.address)
+        for i, slot in enumerate(slots[1:]):
+            socks[1].sendto(data(1, slot, offset=K * (i + 1)), agg.address)
+        wait_rx(agg, 9)
+        c = agg.counters()
+        assert (c["status_resend"], c["status_hold"]) == (0, 0)
+        assert [h.slot for h in received(socks[1])] == slots[1:]  # four results, no notice
 
 
 def test_a_status_sent_to_the_aggregator_is_dropped(socks: list[socket.socket]) -> None:

@@ -132,6 +132,8 @@ async def test_the_leaves_address_the_software_spine_and_it_sums_the_leaves(
         (0, "10.0.0.254", 48879),
         (1, "10.0.1.254", 48879),
     ]
+    # P4 leaves take no loss notices (a STATUS would be a bad_type drop there): the spine sends none
+    assert plane.spine_planes["sspine"].loss_notices is False
     await plane.spine_planes["sspine"].install(view)
     installed = spine.jobs()[3]
     assert (installed.n, installed.slot_base, installed.slot_count, installed.k) == (2, 32, 8, protocol.P4_K)

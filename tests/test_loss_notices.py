@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,9 @@ import pytest
 
 from switchagg import protocol
 from switchagg.aggregator import SoftwareAggregator, format_counters, metrics_sample
+from switchagg.aggregator_control import RemoteAggregator
 from switchagg.protocol import MSG_RESULT, MSG_STATUS, STATUS_LAG, STEER_CLASSES, Header
+from switchagg_lab.testing.control import ControlledAggregator
 from switchagg_lab.testing.kit import local_sessions, on_every_rank, wait_rx
 
 KEY = 0x5EC12E7
@@ -111,6 +114,40 @@ def test_no_notice_before_the_lag_nor_for_another_class_nor_when_turned_off(
             c = agg.counters()
             assert (c["status_resend"], c["status_hold"]) == (0, 0)
             assert all(h.type != MSG_STATUS for h in received(socks[1]))
+
+
+def skip_a_round(agg: Any, socks: list[socket.socket]) -> None:
+    """The first test's traffic: rank 1 skips the first of four rounds rank 0 started."""
+    slots = class_slots(STATUS_LAG + 1)
+    for i, slot in enumerate(slots):
+        socks[0].sendto(data(0, slot, offset=K * i), agg.address)
+    for i, slot in list(enumerate(slots))[1:]:
+        socks[1].sendto(data(1, slot, offset=K * i), agg.address)
+    wait_rx(agg, 2 * len(slots) - 1)
+
+
+@pytest.mark.parametrize("where", ["here", "control service"])
+def test_a_job_installed_without_loss_notices_gets_none(
+    socks: list[socket.socket], tmp_path: Path, where: str
+) -> None:
+    """A software spine over P4 leaves is installed so: they take no STATUS (their parser would count
+    it as a bad_type drop). Locally and through the aggregator's control service."""
+    addrs = [s.getsockname() for s in socks[:2]]
+    if where == "here":
+        with SoftwareAggregator() as agg:
+            agg.add_job(JOB, 2, 0, SLOTS, K, 1, addrs, key=KEY, loss_notices=False)
+            skip_a_round(agg, socks)
+            c = agg.counters()
+    else:
+        with (
+            ControlledAggregator(tmp_path, "agg", "s3cret") as proc,
+            RemoteAggregator(proc.target, "s3cret") as agg,
+        ):
+            agg.add_job(JOB, 2, 0, SLOTS, K, 1, addrs, key=KEY, loss_notices=False)
+            skip_a_round(agg, socks)
+            c = agg.counters()
+    assert (c["status_resend"], c["status_hold"]) == (0, 0)
+    assert all(h.type != MSG_STATUS for h in received(socks[1]))
 
 
 def test_a_rank_that_sends_one_round_out_of_the_leaders_order_is_not_accused(

@@ -151,7 +151,8 @@ class SoftwareDataPlane:
     """Jobs on a software aggregator; each job names its workers' addresses (anti-spoofing). The
     aggregator is embedded (its C calls take about 0.1 ms and run right on the loop) or remote
     (blocking gRPC, up to its timeout: in a worker thread). ``label``: the data plane its counters
-    are reported as (default the name)."""
+    are reported as (default the name). ``loss_notices=False`` for a software spine over P4 leaves:
+    they take no loss notices (docs/PROTOCOL.md), which would count as bad_type drops there."""
 
     name = allocation.SOFTWARE
 
@@ -162,10 +163,12 @@ class SoftwareDataPlane:
         default_slots: int = protocol.DEFAULT_SW_SLOTS,
         advertised_ip: str | None = None,
         label: str | None = None,
+        loss_notices: bool = True,
     ) -> None:
         from switchagg.aggregator_control import RemoteAggregator
 
         self.agg = aggregator
+        self.loss_notices = loss_notices
         self.k, self.default_slots = k, default_slots
         self._ip = advertised_ip or aggregator.address[0]
         self._installed: set[int] = set()
@@ -196,7 +199,7 @@ class SoftwareDataPlane:
         addrs = [(w.ip, w.udp_port) for w in sorted(job.workers, key=lambda w: w.rank)]
         self.agg.add_job(
             job.job_id, job.n, job.slot_base, job.slot_count, job.k, job.generation, addrs,
-            name=job.name, key=job.key,
+            name=job.name, key=job.key, loss_notices=self.loss_notices,
         )  # fmt: skip
 
     def _install(self, job: Job) -> None:
@@ -289,8 +292,10 @@ class P4DataPlane:
         # by switch and job id; each is an ordinary one-switch job there (reducers.StripedDataPlane).
         self._rails: dict[str, dict[int, Job]] = {}
         self.software_spines = {spine.name: spine for spine, _ in software_spines or []}
-        self.spine_planes = {
-            spine.name: SoftwareDataPlane(agg, k=self.k, label=f"{self.name}:{spine.name}")
+        self.spine_planes = {  # over P4 leaves: no loss notices
+            spine.name: SoftwareDataPlane(
+                agg, k=self.k, label=f"{self.name}:{spine.name}", loss_notices=False
+            )
             for spine, agg in software_spines or []
         }
 

@@ -65,6 +65,7 @@ struct job {
     uint32_t m;                      /* contributions that complete a slot here: popcount(local_mask) */
     uint32_t first_local;            /* the lowest local rank: only its resends re-send a partial */
     int leaf;                        /* a leaf of a two-level job: partials go to upstream */
+    int quiet;                       /* no loss notices to its ranks (they may be P4 leaves) */
     uint16_t leaf_index;             /* this leaf's rank at the spine */
     struct sockaddr_in upstream;     /* the spine; RESULTs are accepted only from it */
     struct job_ctr *ctr;             /* one per thread: a thread counts only in its own */
@@ -592,7 +593,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
         }
         j->ctr[t->index].c[JC_AGGREGATED]++;
         struct skip_ctx ctx = {t, j};
-        if (t->a->notices)
+        if (t->a->notices && !j->quiet)
             sa_gaps_note(&j->gaps, (j->base + local) % SA_STEER_CLASSES, (uint32_t)si, r, first, on_skip, &ctx);
         if (j->held[si] && j->cnt[si] != j->m) { /* came after the others were told to wait: wait too */
             status_to(t, j, si, r);
@@ -810,6 +811,7 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->scale_words[1] = sa_scale_words(spec->k, 8);
     j->key = spec->key;
     j->leaf = spec->leaf;
+    j->quiet = spec->quiet;
     j->leaf_index = spec->leaf_index;
     j->upstream = spec->upstream;
     memcpy(j->addrs, spec->addrs, sizeof j->addrs);

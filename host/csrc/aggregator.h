@@ -37,6 +37,7 @@ struct sa_job_spec {
     int leaf;                        /* a leaf of a two-level job: partials go to upstream */
     uint16_t leaf_index;
     struct sockaddr_in upstream;
+    int quiet;                       /* no loss notices to this job's ranks (P4 leaves take none) */
 };
 
 struct sa_job_counters {

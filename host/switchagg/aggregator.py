@@ -66,6 +66,7 @@ class AggregatorHandle(Protocol):
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
         key: int | None = None,
+        loss_notices: bool = True,
     ) -> Any: ...
 
     def remove_job(self, job_id: int) -> Any: ...
@@ -171,6 +172,7 @@ class SoftwareAggregator:
         upstream: tuple[str, int] | None = None,
         leaf_index: int = 0,
         key: int | None = None,
+        loss_notices: bool = True,
     ) -> int:
         """Install a job: rank r's packets must come from ``addrs[r]``, and its results go there.
         ``name`` only labels the job's metrics. ``key``: the job's 32-bit result key, written into
@@ -181,7 +183,10 @@ class SoftwareAggregator:
         With ``upstream`` (the spine's address) the job is aggregated here as leaf ``leaf_index`` of
         a two-level job (docs/PROTOCOL.md, Two levels): ``n`` is the job's total, ``addrs[r]`` is
         None for the ranks behind other leaves, and partial sums go to the spine, whose RESULTs
-        are accepted from that address only. A spine is a plain job whose ranks are the leaves."""
+        are accepted from that address only. A spine is a plain job whose ranks are the leaves.
+
+        ``loss_notices=False``: no loss notices (docs/PROTOCOL.md) to this job's ranks, for a spine
+        whose ranks are P4 leaves (they take none: a STATUS would count as a bad_type drop there)."""
         if key is None:
             key = new_key()
         elif key == UNKEYED:
@@ -197,6 +202,7 @@ class SoftwareAggregator:
             upstream=upstream,
             leaf_index=leaf_index,
             key=key,
+            loss_notices=loss_notices,
         )
         self._jobs = {**self._jobs, job_id: InstalledJob(n, slot_base, slot_count, k, name, key)}
         return key

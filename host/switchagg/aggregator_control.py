@@ -56,11 +56,13 @@ class _JobSpec:
     upstream: Address | None
     leaf_index: int
     key: int
+    loss_notices: bool
 
     def install(self, agg: SoftwareAggregator) -> None:
         agg.add_job(
             self.job_id, self.n, self.slot_base, self.slot_count, self.k, self.generation, self.addrs,
             name=self.name, upstream=self.upstream, leaf_index=self.leaf_index, key=self.key,
+            loss_notices=self.loss_notices,
         )  # fmt: skip
 
 
@@ -90,7 +92,7 @@ class AggregatorControl(pb_grpc.AggregatorControlServicer):
         spec = _JobSpec(
             request.job_id, request.world_size, request.slot_base, request.slot_count, request.k,
             request.generation, tuple((r.ip, r.udp_port) if r.present else None for r in request.ranks),
-            request.name, upstream, request.leaf_index, request.key,
+            request.name, upstream, request.leaf_index, request.key, not request.no_loss_notices,
         )  # fmt: skip
         with self._lock:
             replaced = spec.job_id in self._agg.jobs()
@@ -210,6 +212,7 @@ class RemoteAggregator:
         upstream: Address | None = None,
         leaf_index: int = 0,
         key: int | None = None,
+        loss_notices: bool = True,
     ) -> bool:
         """As SoftwareAggregator.add_job, except that an installed job id is replaced (the
         controller's reinstall with a new generation); True if it was. ``key`` is required: the
@@ -231,6 +234,7 @@ class RemoteAggregator:
             secret=self._secret, job_id=job_id, world_size=n, slot_base=slot_base, slot_count=slot_count, k=k,
             generation=generation, ranks=ranks, name=name, leaf_index=leaf_index, key=key,
             upstream_ip=upstream[0] if upstream else "", upstream_port=upstream[1] if upstream else 0,
+            no_loss_notices=not loss_notices,
         )  # fmt: skip
         reply = self._call("AddJob", request)
         assert isinstance(reply, pb.AddJobReply)

@@ -118,11 +118,12 @@ static int parse_addrs(PyObject *addrs, uint32_t n, int allow_none, struct socka
 
 static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "n", "slot_base", "slot_count", "k", "generation", "addrs",
-                             "upstream", "leaf_index", "key", NULL};
+                             "upstream", "leaf_index", "key", "loss_notices", NULL};
     long long job_id, n, base, count, k, gen, leaf_index = 0, key = 0;
+    int loss_notices = 1;
     PyObject *addrs, *upstream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OLL", kwlist, &job_id, &n, &base, &count, &k, &gen,
-                                     &addrs, &upstream, &leaf_index, &key))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLLLLO|OLLp", kwlist, &job_id, &n, &base, &count, &k, &gen,
+                                     &addrs, &upstream, &leaf_index, &key, &loss_notices))
         return NULL;
     if (check_open(self) < 0) return NULL;
     /* Ranges the engine's unsigned fields cannot show; the engine checks the rest. */
@@ -145,7 +146,7 @@ static PyObject *Aggregator_add_job(Aggregator *self, PyObject *args, PyObject *
     struct sa_job_spec spec = {
         .id = (uint16_t)job_id, .gen = (uint16_t)gen, .n = (uint32_t)n, .base = (uint32_t)base,
         .count = (uint32_t)count, .k = (uint32_t)k, .key = (uint32_t)key, .leaf = upstream != Py_None,
-        .leaf_index = (uint16_t)leaf_index,
+        .leaf_index = (uint16_t)leaf_index, .quiet = !loss_notices,
     };
     if ((spec.leaf && parse_addr(upstream, "upstream", &spec.upstream) < 0) ||
         parse_addrs(addrs, spec.n, spec.leaf, spec.addrs, &spec.local_mask) < 0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswitchagg/aggregator.proto\x12\x0cswitchagg.v1\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"N\n\tInfoReply\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\x12\x12\n\npool_slots\x18\x04 \x01(\r\"<\n\x0bRankAddress\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\"\x8e\x02\n\rAddJobRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\tslot_base\x18\x04 \x01(\r\x12\x12\n\nslot_count\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\r\x12(\n\x05ranks\x18\x08 \x03(\x0b\x32\x19.switchagg.v1.RankAddress\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bupstream_ip\x18\n \x01(\t\x12\x15\n\rupstream_port\x18\x0b \x01(\r\x12\x12\n\nleaf_index\x18\x0c \x01(\r\x12\x0b\n\x03key\x18\r \x01(\r\"\x1f\n\x0b\x41\x64\x64JobReply\x12\x10\n\x08replaced\x18\x01 \x01(\x08\"2\n\x10RemoveJobRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\"!\n\x0eRemoveJobReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"$\n\x12\x41ggListJobsRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"\x83\x01\n\x10InstalledJobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\tslot_base\x18\x03 \x01(\r\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\x0b\n\x03key\x18\x07 \x01(\r\"@\n\x10\x41ggListJobsReply\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.switchagg.v1.InstalledJobInfo\"$\n\x12\x41ggCountersRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\")\n\x10\x41ggCountersReply\x12\x15\n\rcounters_json\x18\x01 \x01(\t2\xf8\x02\n\x11\x41ggregatorControl\x12:\n\x04Info\x12\x19.switchagg.v1.InfoRequest\x1a\x17.switchagg.v1.InfoReply\x12@\n\x06\x41\x64\x64Job\x12\x1b.switchagg.v1.AddJobRequest\x1a\x19.switchagg.v1.AddJobReply\x12I\n\tRemoveJob\x12\x1e.switchagg.v1.RemoveJobRequest\x1a\x1c.switchagg.v1.RemoveJobReply\x12L\n\x08ListJobs\x12 .switchagg.v1.AggListJobsRequest\x1a\x1e.switchagg.v1.AggListJobsReply\x12L\n\x08\x43ounters\x12 .switchagg.v1.AggCountersRequest\x1a\x1e.switchagg.v1.AggCountersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswitchagg/aggregator.proto\x12\x0cswitchagg.v1\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"N\n\tInfoReply\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\x12\x12\n\npool_slots\x18\x04 \x01(\r\"<\n\x0bRankAddress\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\n\n\x02ip\x18\x02 \x01(\t\x12\x10\n\x08udp_port\x18\x03 \x01(\r\"\xa7\x02\n\rAddJobRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\tslot_base\x18\x04 \x01(\r\x12\x12\n\nslot_count\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\r\x12\x12\n\ngeneration\x18\x07 \x01(\r\x12(\n\x05ranks\x18\x08 \x03(\x0b\x32\x19.switchagg.v1.RankAddress\x12\x0c\n\x04name\x18\t \x01(\t\x12\x13\n\x0bupstream_ip\x18\n \x01(\t\x12\x15\n\rupstream_port\x18\x0b \x01(\r\x12\x12\n\nleaf_index\x18\x0c \x01(\r\x12\x0b\n\x03key\x18\r \x01(\r\x12\x17\n\x0fno_loss_notices\x18\x0e \x01(\x08\"\x1f\n\x0b\x41\x64\x64JobReply\x12\x10\n\x08replaced\x18\x01 \x01(\x08\"2\n\x10RemoveJobRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\r\"!\n\x0eRemoveJobReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"$\n\x12\x41ggListJobsRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"\x83\x01\n\x10InstalledJobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\tslot_base\x18\x03 \x01(\r\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\x0b\n\x03key\x18\x07 \x01(\r\"@\n\x10\x41ggListJobsReply\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.switchagg.v1.InstalledJobInfo\"$\n\x12\x41ggCountersRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\")\n\x10\x41ggCountersReply\x12\x15\n\rcounters_json\x18\x01 \x01(\t2\xf8\x02\n\x11\x41ggregatorControl\x12:\n\x04Info\x12\x19.switchagg.v1.InfoRequest\x1a\x17.switchagg.v1.InfoReply\x12@\n\x06\x41\x64\x64Job\x12\x1b.switchagg.v1.AddJobRequest\x1a\x19.switchagg.v1.AddJobReply\x12I\n\tRemoveJob\x12\x1e.switchagg.v1.RemoveJobRequest\x1a\x1c.switchagg.v1.RemoveJobReply\x12L\n\x08ListJobs\x12 .switchagg.v1.AggListJobsRequest\x1a\x1e.switchagg.v1.AggListJobsReply\x12L\n\x08\x43ounters\x12 .switchagg.v1.AggCountersRequest\x1a\x1e.switchagg.v1.AggCountersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKADDRESS']._serialized_start=155
   _globals['_RANKADDRESS']._serialized_end=215
   _globals['_ADDJOBREQUEST']._serialized_start=218
-  _globals['_ADDJOBREQUEST']._serialized_end=488
-  _globals['_ADDJOBREPLY']._serialized_start=490
-  _globals['_ADDJOBREPLY']._serialized_end=521
-  _globals['_REMOVEJOBREQUEST']._serialized_start=523
-  _globals['_REMOVEJOBREQUEST']._serialized_end=573
-  _globals['_REMOVEJOBREPLY']._serialized_start=575
-  _globals['_REMOVEJOBREPLY']._serialized_end=608
-  _globals['_AGGLISTJOBSREQUEST']._serialized_start=610
-  _globals['_AGGLISTJOBSREQUEST']._serialized_end=646
-  _globals['_INSTALLEDJOBINFO']._serialized_start=649
-  _globals['_INSTALLEDJOBINFO']._serialized_end=780
-  _globals['_AGGLISTJOBSREPLY']._serialized_start=782
-  _globals['_AGGLISTJOBSREPLY']._serialized_end=846
-  _globals['_AGGCOUNTERSREQUEST']._serialized_start=848
-  _globals['_AGGCOUNTERSREQUEST']._serialized_end=884
-  _globals['_AGGCOUNTERSREPLY']._serialized_start=886
-  _globals['_AGGCOUNTERSREPLY']._serialized_end=927
-  _globals['_AGGREGATORCONTROL']._serialized_start=930
-  _globals['_AGGREGATORCONTROL']._serialized_end=1306
+  _globals['_ADDJOBREQUEST']._serialized_end=513
+  _globals['_ADDJOBREPLY']._serialized_start=515
+  _globals['_ADDJOBREPLY']._serialized_end=546
+  _globals['_REMOVEJOBREQUEST']._serialized_start=548
+  _globals['_REMOVEJOBREQUEST']._serialized_end=598
+  _globals['_REMOVEJOBREPLY']._serialized_start=600
+  _globals['_REMOVEJOBREPLY']._serialized_end=633
+  _globals['_AGGLISTJOBSREQUEST']._serialized_start=635
+  _globals['_AGGLISTJOBSREQUEST']._serialized_end=671
+  _globals['_INSTALLEDJOBINFO']._serialized_start=674
+  _globals['_INSTALLEDJOBINFO']._serialized_end=805
+  _globals['_AGGLISTJOBSREPLY']._serialized_start=807
+  _globals['_AGGLISTJOBSREPLY']._serialized_end=871
+  _globals['_AGGCOUNTERSREQUEST']._serialized_start=873
+  _globals['_AGGCOUNTERSREQUEST']._serialized_end=909
+  _globals['_AGGCOUNTERSREPLY']._serialized_start=911
+  _globals['_AGGCOUNTERSREPLY']._serialized_end=952
+  _globals['_AGGREGATORCONTROL']._serialized_start=955
+  _globals['_AGGREGATORCONTROL']._serialized_end=1331
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class RankAddress(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., ip: _Optional[str] = ..., udp_port: _Optional[int] = ...) -> None: ...
 
 class AddJobRequest(_message.Message):
-    __slots__ = ("secret", "job_id", "world_size", "slot_base", "slot_count", "k", "generation", "ranks", "name", "upstream_ip", "upstream_port", "leaf_index", "key")
+    __slots__ = ("secret", "job_id", "world_size", "slot_base", "slot_count", "k", "generation", "ranks", "name", "upstream_ip", "upstream_port", "leaf_index", "key", "no_loss_notices")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class AddJobRequest(_message.Message):
     UPSTREAM_PORT_FIELD_NUMBER: _ClassVar[int]
     LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    NO_LOSS_NOTICES_FIELD_NUMBER: _ClassVar[int]
     secret: str
     job_id: int
     world_size: int
@@ -62,7 +63,8 @@ class AddJobRequest(_message.Message):
     upstream_port: int
     leaf_index: int
     key: int
-    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAddress, _Mapping]]] = ..., name: _Optional[str] = ..., upstream_ip: _Optional[str] = ..., upstream_port: _Optional[int] = ..., leaf_index: _Optional[int] = ..., key: _Optional[int] = ...) -> None: ...
+    no_loss_notices: bool
+    def __init__(self, secret: _Optional[str] = ..., job_id: _Optional[int] = ..., world_size: _Optional[int] = ..., slot_base: _Optional[int] = ..., slot_count: _Optional[int] = ..., k: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAddress, _Mapping]]] = ..., name: _Optional[str] = ..., upstream_ip: _Optional[str] = ..., upstream_port: _Optional[int] = ..., leaf_index: _Optional[int] = ..., key: _Optional[int] = ..., no_loss_notices: _Optional[bool] = ...) -> None: ...
 
 class AddJobReply(_message.Message):
     __slots__ = ("replaced",)

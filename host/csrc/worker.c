@@ -195,6 +195,7 @@ typedef struct {
     void *data;
     size_t len, chunks;
     int8_t *exp_local, *exp_max; /* per chunk (narrow lanes: nb scale bytes per chunk) */
+    size_t scaled;               /* chunks whose exp_local is computed (local_scales) */
     slot_t *slots;
     size_t active, done;
     size_t *ready;        /* queued slots in the order their results came (a ring of `active`) */
@@ -240,6 +241,21 @@ static void build_lanes(run_t *r, int64_t c, int64_t scales_of, int prime, uint3
                       chunk_seed(r, c), lanes, r->residual ? r->residual + off : NULL);
 }
 
+/* This rank's scales (32-bit lanes: the block exponent; narrow: scale bytes) of chunks 0..upto, computed
+ * as packets first need them: a pass over the whole tensor before the first send would leave the link
+ * idle meanwhile (about 6 ms for 64 MB, 1% of the call at 1 Gbit/s). */
+static void local_scales(run_t *r, size_t upto) {
+    if (r->kind != 'f') return;
+    for (; r->scaled <= upto && r->scaled < r->chunks; r->scaled++) {
+        size_t c = r->scaled;
+        const float *x = (const float *)r->data + c * r->vals;
+        if (r->bits != 32)
+            sa_block_scales(x, chunk_len(r, (int64_t)c), (uint8_t *)r->exp_local + c * r->nb);
+        else
+            r->exp_local[c] = sa_block_exponent(x, chunk_len(r, (int64_t)c));
+    }
+}
+
 /* Build the outstanding packet of slot i for its current chunk and phase. */
 static void build_packet(run_t *r, size_t i) {
     struct sa_worker *w = r->w;
@@ -268,6 +284,7 @@ static void build_packet(run_t *r, size_t i) {
         for (size_t e = 0; e < SA_MISMATCH_INFO_LEN && e < (size_t)w->k; e++) payload[e] = htonl(info[e]);
         return;
     }
+    local_scales(r, (size_t)next); /* this chunk's, and the next one's on this slot (sent one round ahead) */
     if (r->bits != 32) { /* the scales travel in the payload, one round ahead as the exponent does */
         h->flags = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | kind_flag;
         h->exp = SA_EXP_NONE;
@@ -765,14 +782,6 @@ static int run_call(run_t *r, int abort) {
     int rc = SA_CALL_OK;
     if (r->residual && !abort) /* error feedback: what rounding took from the last call comes back */
         for (size_t e = 0; e < r->len; e++) ((float *)r->data)[e] += r->residual[e];
-    if (r->kind == 'f' && !abort)
-        for (size_t c = 0; c < r->chunks; c++) {
-            const float *x = (const float *)r->data + c * K;
-            if (r->bits != 32)
-                sa_block_scales(x, chunk_len(r, (int64_t)c), (uint8_t *)r->exp_local + c * r->nb);
-            else
-                r->exp_local[c] = sa_block_exponent(x, chunk_len(r, (int64_t)c));
-        }
     uint64_t now = sa_now_ns();
     for (size_t i = 0; i < r->active; i++) {
         r->slots[i].chunk = (int64_t)i;

@@ -38,3 +38,17 @@ def aggregator() -> Iterator[SoftwareAggregator]:
     agg.start()
     yield agg
     agg.stop()
+
+
+@pytest.fixture
+def socks() -> Iterator[list[socket.socket]]:
+    """Four UDP sockets on loopback, as ranks (or a spine) that craft their own packets; 10 s timeouts."""
+    made = []
+    for _ in range(4):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(10.0)
+        made.append(s)
+    yield made
+    for s in made:
+        s.close()

@@ -53,19 +53,6 @@ def agg(threads: int) -> Iterator[SoftwareAggregator]:
         yield a
 
 
-@pytest.fixture
-def socks() -> Iterator[list[socket.socket]]:
-    made = []
-    for _ in range(4):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", 0))
-        s.settimeout(WAIT_S)
-        made.append(s)
-    yield made
-    for s in made:
-        s.close()
-
-
 def data(
     job: int, rank: int, slot: int, values: list[int] | np.ndarray, shadow: int = 0, exp: int = EXP_NONE
 ) -> bytes:

@@ -5,7 +5,6 @@ over real UDP; end to end, a lost contribution is then resent by the rank that l
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,7 @@ from switchagg_lab.testing.kit import local_sessions, on_every_rank, wait_rx
 
 KEY = 0x5EC12E7
 JOB, K, SLOTS = 3, 4, 64
-WAIT_S = 5.0
-
-
-@pytest.fixture
-def socks() -> Iterator[list[socket.socket]]:
-    made = []
-    for _ in range(3):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", 0))
-        s.settimeout(WAIT_S)
-        made.append(s)
-    yield made
-    for s in made:
-        s.close()
+WAIT_S = 10.0  # the sockets fixture's timeout
 
 
 def data(rank: int, slot: int, offset: int, call: int = 1) -> bytes:

@@ -433,8 +433,11 @@ static int job_slot(struct sa_agg_thread *t, const struct job *j, const struct s
     return 1;
 }
 
-/* A RESULT: only a leaf takes one, only from its spine, and only as the answer to its partial. */
-static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
+/* A RESULT or a STATUS: only a leaf takes one, only from its spine, and only about the round of its
+ * partial that waits for the spine. A RESULT answers it; a STATUS whose bitmap lacks this leaf says
+ * the partial was lost on the way up, and it is sent again. */
+static void process_from_spine(struct sa_agg_thread *t, const uint8_t *buf, size_t len,
+                               const struct sockaddr_in *src) {
     const struct sa_header *h = (const struct sa_header *)buf;
     struct job *j = t->a->jobs[ntohs(h->job)];
     if (j == NULL || !j->leaf) { /* what a worker sent by mistake, as in one level */
@@ -449,8 +452,9 @@ static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t l
         t->drops[SA_DROP_SPOOFED]++;
         return;
     }
+    int status = h->type == SA_MSG_STATUS;
     uint32_t local, s;
-    if (!job_slot(t, j, h, len, j->k, &local, &s)) return;
+    if (!job_slot(t, j, h, len, status ? 1 : j->k, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
     /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. The
      * spine's result carries the partial's identity, and its poison if any round below had one. */
@@ -460,44 +464,19 @@ static void process_result(struct sa_agg_thread *t, const uint8_t *buf, size_t l
         j->ctr[t->index].c[JC_STALE]++;
         return;
     }
+    if (status) {
+        uint32_t have;
+        memcpy(&have, buf + SA_HEADER_LEN, sizeof have);
+        if (ntohl(have) >> j->leaf_index & 1) return; /* the spine has it: its result is on the way */
+        send_partial(t, j, j->base + local, s, si);
+        j->ctr[t->index].c[JC_UPSTREAM_RESENT]++;
+        return;
+    }
     k_load(j->values + si * j->k, (const uint32_t *)(buf + SA_HEADER_LEN), j->k);
     j->exp[si] = h->exp;
     j->poison[si] = h->flags & SA_POISON_FLAGS;
     j->final[si] = 1;
     multicast(t, j, ntohs(h->pool), si);
-}
-
-/* A STATUS: only a leaf takes one, only from its spine: if the spine's round waits for this leaf's
- * partial, the partial was lost on the way up, and is sent again. */
-static void process_status(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
-    const struct sa_header *h = (const struct sa_header *)buf;
-    struct job *j = t->a->jobs[ntohs(h->job)];
-    if (j == NULL || !j->leaf) { /* nobody sends an aggregator a STATUS but a spine */
-        t->drops[SA_DROP_BAD_TYPE]++;
-        return;
-    }
-    if (ntohs(h->rank) != j->leaf_index) {
-        t->drops[SA_DROP_BAD_RANK]++;
-        return;
-    }
-    if (!same_addr(&j->upstream, src)) {
-        t->drops[SA_DROP_SPOOFED]++;
-        return;
-    }
-    uint32_t local, s;
-    if (!job_slot(t, j, h, len, 1, &local, &s)) return;
-    size_t si = 2 * (size_t)local + s;
-    uint32_t have;
-    memcpy(&have, buf + SA_HEADER_LEN, sizeof have);
-    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != j->key ||
-        ntohl(h->offset) != j->roffset[si] || ntohl(h->call) != j->rcall[si] ||
-        ntohl(h->total) != j->rtotal[si] || (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS)) {
-        j->ctr[t->index].c[JC_STALE]++;
-        return;
-    }
-    if (ntohl(have) >> j->leaf_index & 1) return; /* the spine has it: its result is on the way */
-    send_partial(t, j, j->base + local, s, si);
-    j->ctr[t->index].c[JC_UPSTREAM_RESENT]++;
 }
 
 static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
@@ -514,12 +493,8 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
         t->drops[SA_DROP_BAD_TYPE]++;
         return;
     }
-    if (h->type == SA_MSG_RESULT) {
-        process_result(t, buf, len, src);
-        return;
-    }
-    if (h->type == SA_MSG_STATUS) {
-        process_status(t, buf, len, src);
+    if (h->type == SA_MSG_RESULT || h->type == SA_MSG_STATUS) {
+        process_from_spine(t, buf, len, src);
         return;
     }
     if (h->type != SA_MSG_DATA) {

@@ -267,33 +267,38 @@ def worker_labels(s: _Session) -> tuple[str, str, str, str]:
     return (s.job_name, str(s.job), str(s.rank), s.data_plane)
 
 
+def _resend_counters(c: _Families, st: Mapping[str, int], labels: tuple[str, ...]) -> None:
+    """A worker's resends by what caused them, and the loss notices that held one back."""
+    kinds = (
+        ("timeout", st.get("timeouts", 0)),
+        ("fast", st.get("fast_retransmits", 0)),
+        ("probe", st.get("tail_probes", 0)),
+        ("asked", st.get("status_resends", 0)),
+    )
+    for kind, value in kinds:
+        c.counter(
+            "switchagg_worker_retransmits",
+            "Packets resent: after a retransmission timeout, by fast retransmit, as a tail loss probe, "
+            "or asked for by the aggregator's loss notice (docs/PROTOCOL.md)",
+            (*WORKER_LABELS, "kind"),
+            (*labels, kind),
+            value,
+        )
+    c.counter(
+        "switchagg_worker_loss_notice_holds",
+        "Loss notices saying the round has this rank's packet and waits for a peer's: no resend",
+        WORKER_LABELS,
+        labels,
+        st.get("status_holds", 0),
+    )
+
+
 def worker_families(sessions: Iterable[_Session]) -> list[Metric]:
     """The C packet path's counters of these sessions."""
     c = _Families()
     for s in sessions:
         st, labels = s.stats(), worker_labels(s)
-        kinds = (
-            ("timeout", st.get("timeouts", 0)),
-            ("fast", st.get("fast_retransmits", 0)),
-            ("probe", st.get("tail_probes", 0)),
-            ("asked", st.get("status_resends", 0)),
-        )
-        for kind, value in kinds:
-            c.counter(
-                "switchagg_worker_retransmits",
-                "Packets resent: after a retransmission timeout, by fast retransmit, as a tail loss probe, "
-                "or asked for by the aggregator's loss notice (docs/PROTOCOL.md)",
-                (*WORKER_LABELS, "kind"),
-                (*labels, kind),
-                value,
-            )
-        c.counter(
-            "switchagg_worker_loss_notice_holds",
-            "Loss notices saying the round has this rank's packet and waits for a peer's: no resend",
-            WORKER_LABELS,
-            labels,
-            st.get("status_holds", 0),
-        )
+        _resend_counters(c, st, labels)
         c.counter(
             "switchagg_worker_spurious_retransmits",
             "Fast retransmits found unneeded: their round was answered twice (the packet was late, not lost)",

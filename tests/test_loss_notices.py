@@ -219,9 +219,10 @@ def run_lossy(
 
 
 @pytest.mark.reliability(
-    "lost contributions, loss notices",
-    "2% of the contributions dropped by the aggregator's fault injector, loopback, 4 ranks x 3 allreduces",
-    sums=3,
+    "loss",
+    "2% of the contributions dropped by the aggregator's fault injector, loopback, 4 ranks x 3 allreduces, "
+    "with loss notices and without",
+    sums=24,
     recovery="the rank that lost a contribution is told to resend it; the others are told to wait",
     state="nothing: every sum exact",
 )

@@ -148,6 +148,10 @@ class Session:
 
     ``allreduce`` sums in place over all ranks; ``allreduce_async`` returns a future and runs
     the C packet path on the session's own thread, one allreduce at a time in call order.
+
+    Open the sessions of a job on a fresh installation (``add_job`` with a new generation): a second
+    set of sessions on the same one could take the first set's stored sums for its own first call
+    (docs/PROTOCOL.md, One installation, one session per rank). The job service does this for you.
     """
 
     def __init__(

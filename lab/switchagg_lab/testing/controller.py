@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ class Controller:
             self.admin_secret_file.write_text(admin_secret + "\n")
             self.admin_flags = ["--admin-secret-file", str(self.admin_secret_file)]
         self.state = tmp / "ctl.db"
+        # Its output goes to files, not pipes: nobody reads a pipe while a test runs, and a controller
+        # that logs 64 KiB (a switch away for a while) would block on its next line, its work undone.
+        self.out_path, self.err_path = tmp / "ctl.out", tmp / "ctl.err"
         self.extra = extra
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
@@ -42,17 +46,29 @@ class Controller:
             "--secret-file", str(self.secret_file), *self.admin_flags,
             "--state", str(self.state), *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.banner = self.proc.stdout.readline()  # the banner comes once the service listens
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        self.banner = self._banner(60.0)  # the banner comes once the service listens
         if "job service on" not in self.banner:
             self.proc.kill()
-            _, err = self.proc.communicate(timeout=30)
-            raise RuntimeError(f"switchagg-ctl serve did not start: {self.banner!r} {err}")
+            self.proc.wait(timeout=30)
+            why = self.err_path.read_text()
+            raise RuntimeError(f"switchagg-ctl serve did not start: {self.banner!r} {why}")
         self.address = self.banner.split("job service on ")[1].split(";")[0]
         if not self.admin_flags:
             self.admin_secret_file = Path(self.banner.split("admin secret in ")[1].split(";")[0].strip())
         return self
+
+    def _banner(self, timeout: float) -> str:
+        """Its first line of output, once written (or what there is when it exits or time is up)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.out_path.read_text()
+            if "\n" in text or self.proc.poll() is not None:
+                return text.split("\n", 1)[0] + "\n" if text else ""
+            time.sleep(0.02)
+        return self.out_path.read_text()
 
     def stop(self) -> str:
         """Stops the process (SIGTERM, then SIGKILL) and returns its stderr."""
@@ -61,11 +77,11 @@ class Controller:
         proc, self.proc = self.proc, None
         proc.terminate()
         try:
-            _, err = proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate(timeout=30)
-        return err
+            proc.wait(timeout=30)
+        return self.err_path.read_text()
 
     def kill(self) -> None:
         """SIGKILL: the controller (and its embedded aggregator) dies without a word."""
@@ -73,7 +89,7 @@ class Controller:
             return
         proc, self.proc = self.proc, None
         proc.kill()
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "switchagg_controller.cli", *args]

@@ -559,6 +559,10 @@ static void note_passed(run_t *r, size_t i) {
  * it, not only by the timer (which every result restarts: in a busy stream it would wait for the end of
  * the call). */
 static void resend(run_t *r, slot_t *s, uint64_t now) {
+    if (s->lost) { /* resent now: not again when its turn after a timeout comes */
+        s->lost = 0;
+        r->lost--;
+    }
     s->retried = 1; /* Karn: no round-trip sample from it */
     s->xmit_at = now;
     s->xmit_seq = r->seq;
@@ -585,10 +589,6 @@ static size_t fast_retransmits(run_t *r, uint64_t now, size_t *out, size_t nout)
          * through the peer's queue: a round trip more */
         if (now - s->xmit_at < (s->held ? 2 * reorder_age : reorder_age)) continue;
         s->fast_done = 1;
-        if (s->lost) { /* resent now: not again when its turn after the timeout comes */
-            s->lost = 0;
-            r->lost--;
-        }
         if (++r->w->reo_clean >= REO_DECAY && r->w->reo_steps) { /* RFC 8985: the window shrinks back */
             r->w->reo_steps /= 2;
             r->w->reo_clean = 0;
@@ -650,10 +650,6 @@ static size_t take_status(run_t *r, const uint8_t *pkt, uint64_t now, size_t *ou
     }
     uint64_t srtt = w->srtt_ns ? w->srtt_ns : w->rto_ns;
     if (!(ours || next) || (ntohl(have) >> w->rank & 1) || now - s->xmit_at < srtt / 2) return nout;
-    if (s->lost) { /* resent now: not again when its turn after a timeout comes */
-        s->lost = 0;
-        r->lost--;
-    }
     resend(r, s, now);
     w->stats.status_resends++;
     w->stats.retransmits++;
@@ -724,10 +720,6 @@ static size_t tail_probe(run_t *r, uint64_t now, size_t *out) {
         r->w->tlp_clean = 0;
     }
     r->slots[best].probe = 1;
-    if (r->slots[best].lost) {
-        r->slots[best].lost = 0;
-        r->lost--;
-    }
     r->w->stats.tail_probes++;
     r->w->stats.retransmits++;
     out[0] = best;
@@ -748,10 +740,7 @@ static size_t resend_lost(run_t *r, uint64_t now, size_t *out, size_t nout) {
             r->lost = 0;
             break;
         }
-        slot_t *s = &r->slots[best];
-        s->lost = 0;
-        resend(r, s, now);
-        r->lost--;
+        resend(r, &r->slots[best], now); /* takes it off the lost ones */
         r->lost_budget--;
         r->w->stats.timeouts++;
         r->w->stats.retransmits++;

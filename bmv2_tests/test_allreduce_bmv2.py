@@ -11,6 +11,7 @@ from switchagg import protocol
 from switchagg_controller import p4_program
 from switchagg_lab.bmv2.frames import counters, delta
 from switchagg_lab.bmv2.run import check_results, finish, start_job
+from switchagg_lab.testing.checks import hello_rounds
 from switchagg_lab.bmv2.switch_jobs import make_job
 
 TENSORS = [("int32", 4096), ("int32", 1000), ("float32", 2048)]
@@ -23,10 +24,12 @@ def test_allreduce_exact(n: int, bed: Any, switch: Any, tmp_path: Path) -> None:
     switch.apply(p4_program.desired_state(bed.topology(), [job]))
     before = counters(switch, {job.job_id: job.counter_index})
     finish(start_job(job, eps, TENSORS, tmp_path))
-    check_results(job, TENSORS, tmp_path)
+    stats = check_results(job, TENSORS, tmp_path)
     _, jobs = delta(before, counters(switch, {job.job_id: job.counter_index}))
-    # Every chunk completes once: float32 tensors add a PRIME round per slot.
+    # Every chunk completes once: float32 tensors add a PRIME round per slot; the sessions' hello its
+    # rounds (the same on every rank).
     chunks = sum((size + 63) // 64 for _, size in TENSORS) + min(job.slot_count, (2048 + 63) // 64)
+    chunks += hello_rounds(stats)
     assert jobs[job.job_id]["multicast"] == chunks
     assert jobs[job.job_id]["aggregated"] == chunks * n
 
@@ -43,9 +46,9 @@ def test_allreduce_narrow_lanes(bed: Any, switch: Any, tmp_path: Path) -> None:
     switch.apply(p4_program.desired_state(bed.topology(), [job]))
     before = counters(switch, {job.job_id: job.counter_index})
     finish(start_job(job, eps, NARROW, tmp_path, seed=3))
-    check_results(job, NARROW, tmp_path, seed=3)
+    stats = check_results(job, NARROW, tmp_path, seed=3)
     _, jobs = delta(before, counters(switch, {job.job_id: job.counter_index}))
-    chunks = 0
+    chunks = hello_rounds(stats)
     for spec, size in NARROW:
         bits = int(spec.partition("/")[2] or 32)
         data = -(-size // protocol.lanes_per_packet(protocol.P4_K, bits))

@@ -23,7 +23,8 @@ REPEAT = 3  # copies of each bad packet
 def _slot_state(bed: Any, slot: int) -> dict[str, list[int]]:
     sets = [2 * slot, 2 * slot + 1]
     return {
-        "slot_gen": bed.registers("MyIngress.slot_gen", [slot]),
+        "set_gen": bed.registers("MyIngress.set_gen", sets),
+        "set_inc": bed.registers("MyIngress.set_inc", sets),
         "bitmap": bed.registers("MyIngress.bitmap", sets),
         "count": bed.registers("MyIngress.count", sets),
         "max_exp": bed.registers("MyIngress.max_exp", sets),

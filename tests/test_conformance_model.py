@@ -49,7 +49,9 @@ from switchagg.protocol import (
 
 @dataclass
 class Slot:
-    gen: int = 0
+    # Each set's stamp: its installation's generation and its round's session incarnation.
+    gen: list[int] = field(default_factory=lambda: [0, 0])
+    inc: list[int] = field(default_factory=lambda: [0, 0])
     bitmap: list[int] = field(default_factory=lambda: [0, 0])
     count: list[int] = field(default_factory=lambda: [0, 0])
     exp: list[int] = field(default_factory=lambda: [0, 0])
@@ -70,13 +72,19 @@ class SwitchModel:
     """One job table and one register pool for all jobs; endpoints stand for ingress ports."""
 
     def __init__(
-        self, k: int, check_generation: bool = True, resend_partial: str = "first", lanes: bool = True
+        self,
+        k: int,
+        check_generation: bool = True,
+        resend_partial: str = "first",
+        lanes: bool = True,
+        check_incarnation: bool = True,
     ) -> None:
         """``resend_partial``: which local ranks' resends re-send a waiting leaf's partial: "first"
         (the lowest, as specified), "any" or "none" (the last two for showing the vectors notice).
         ``lanes=False`` adds narrow-lane payloads as int32 words (to show the vectors notice)."""
         self.k = k
         self.check_generation = check_generation
+        self.check_incarnation = check_incarnation
         self.lanes = lanes
         self.resend_partial = resend_partial
         self.slots = [Slot() for _ in range(1024)]
@@ -99,7 +107,7 @@ class SwitchModel:
     def receive(self, endpoint: int, pkt: bytes) -> list[tuple[int, bytes]]:
         if len(pkt) < HEADER_LEN:
             return self._drop("truncated")
-        version, type_, flags, exp, job_id, rank, pool, elems, offset, call, total, _ = struct.unpack_from(
+        version, type_, flags, exp, job_id, rank, pool, elems, offset, call, total, inc = struct.unpack_from(
             HEADER_FORMAT, pkt
         )
         if version != VERSION:
@@ -129,12 +137,15 @@ class SwitchModel:
             return self._result(job, slot, i, s, to_rank)
 
         m = sum(e is not None for e in job.endpoints)  # contributions that complete the slot here
-        if self.check_generation and slot.gen != job.generation:
-            slot.gen, slot.bitmap, slot.count, slot.final = job.generation, [0, 0], [0, 0], [False, False]
+        stamp = (job.generation, inc if self.check_incarnation else 0)
+        if self.check_generation and (slot.gen[s], slot.inc[s]) != stamp:
+            slot.gen[s], slot.inc[s] = stamp
+            slot.bitmap[s], slot.count[s], slot.final[s] = 0, 0, False
         if not slot.bitmap[s] & bit:
             first = slot.bitmap[s] == 0
             slot.bitmap[s] |= bit
-            slot.bitmap[1 - s] &= ~bit
+            if (slot.gen[1 - s], slot.inc[1 - s]) == stamp or not self.check_generation:
+                slot.bitmap[1 - s] &= ~bit  # the other set's round, if it is this session's
             poison = flags & POISON_FLAGS
             if first:
                 slot.value[s], slot.exp[s], slot.count[s] = payload, exp, 1
@@ -185,12 +196,12 @@ class SwitchModel:
         """RESULT(value[s]) to a local rank, with the job's key."""
         endpoint = job.endpoints[to_rank]
         assert endpoint is not None
-        return endpoint, self._round(job, slot, i, s, MSG_RESULT, to_rank, job.key)
+        return endpoint, self._round(job, slot, i, s, MSG_RESULT, to_rank, job.key ^ slot.inc[s])
 
     def _partial(self, job: JobSpec, slot: Slot, i: int, s: int) -> tuple[int, bytes]:
         """A leaf's DATA to its spine: rank = leaf index, the stored partial and round identity."""
         assert job.upstream is not None
-        return job.upstream, self._round(job, slot, i, s, MSG_DATA, job.leaf_index, 0)
+        return job.upstream, self._round(job, slot, i, s, MSG_DATA, job.leaf_index, slot.inc[s])
 
     def _receive_result(self, endpoint: int, pkt: bytes) -> list[tuple[int, bytes]]:
         _, _, flags, exp, job_id, rank, pool, elems, offset, call, total, key = struct.unpack_from(
@@ -210,9 +221,9 @@ class SwitchModel:
             return self._drop("truncated")
         slot, c = self.slots[i], self.counters[job_id]
         m = sum(e is not None for e in job.endpoints)
-        waiting = slot.gen == job.generation and slot.count[s] == m and not slot.final[s]
+        waiting = slot.gen[s] == job.generation and slot.count[s] == m and not slot.final[s]
         ours = (key, call, total, offset, flags & IDENTITY_FLAGS) == (
-            job.key,
+            job.key ^ slot.inc[s],
             slot.call[s],
             slot.total[s],
             slot.offset[s],
@@ -305,3 +316,12 @@ def test_vectors_catch_a_missing_generation_check() -> None:
     (stale,) = [v for v in VECTORS if v.name == "stale_generation"]
     with pytest.raises(AssertionError, match="stale_generation step"):
         run_on_model(stale, SwitchModel(stale.k, check_generation=False))
+
+
+@pytest.mark.parametrize("name", ["session_incarnation", "leaf_session"])
+def test_vectors_catch_a_missing_incarnation_check(name: str) -> None:
+    """A data plane that stamps a set with its generation alone answers a new session's first packet
+    with an earlier session's stored sum (docs/PROTOCOL.md, Sessions)."""
+    (v,) = [v for v in VECTORS + TWO_LEVEL if v.name == name]
+    with pytest.raises(AssertionError, match=f"{name} step"):
+        run_on_model(v, SwitchModel(v.k, check_incarnation=False))

@@ -45,6 +45,7 @@ from switchagg.protocol import (
     FLAG_FLOAT,
     FLAG_LANE8,
     FLAG_MISMATCH,
+    FLAG_HELLO,
     FLAG_PRIME,
     HEADER_FORMAT,
     HEADER_LEN,
@@ -616,10 +617,15 @@ class FakeAggregator:
     def answer(self, pkt: bytes) -> bytes:
         h = fields(pkt)
         payload = np.frombuffer(pkt[HEADER_LEN:], ">i4").astype(np.int32)
-        if self.kind == "i" and self.n == 2:
+        if h["flags"] & FLAG_HELLO and self.n == 2:
+            # the other rank's hello word: it vouches from the second round on (docs/PROTOCOL.md, Sessions)
+            payload = payload.copy()
+            payload[1] = 0x5EED0000 | (1 if h["key"] else 0)
+        elif self.kind == "i" and self.n == 2:
             payload = (payload.astype(np.int64) + self.peer(h["call"], h["offset"])).astype(np.int32)
         head = pkt[:HEADER_LEN]
-        head = with_field(with_field(head, "type", MSG_RESULT), "key", KEY_W)
+        # a result answers the session of the DATA's incarnation (its key field)
+        head = with_field(with_field(head, "type", MSG_RESULT), "key", KEY_W ^ h["key"])
         return head + payload.astype(">i4").tobytes()
 
     def _serve(self) -> None:
@@ -637,7 +643,7 @@ class FakeAggregator:
         h = fields(pkt)
         assert h["type"] == MSG_DATA and len(pkt) == HEADER_LEN + 4 * K_W, h
         correct = self.answer(pkt)
-        rid = (h["call"], h["offset"], h["flags"] & FLAG_PRIME)
+        rid = (h["call"], h["offset"], h["flags"] & FLAG_PRIME, h["key"])  # hello rounds differ in key
         specs: list[Spec] = []
         if rid not in self.seen:  # a retransmission is answered again, plainly
             self.seen.add(rid)
@@ -653,12 +659,14 @@ class FakeAggregator:
         when, base, ops, index = spec
         self.fuzzed += 1
         if base == "replay" and self.history:  # an earlier answer: its round is over
-            return self.history[index % len(self.history)]
+            replay = self.history[index % len(self.history)]
+            self.bad_key += reaches_key_check(replay, correct)  # a hello round's answer: another key
+            return replay
         pkt = mutate(correct, ops)
         if not surely_refused(pkt, correct, strict=when == "post"):
             # Left as it is, the protocol would take it (it is the aggregator's word): make it what
             # only a forger could send, a RESULT without the job's key.
-            pkt = with_field(pkt, "key", KEY_W ^ 0x80000001)
+            pkt = with_field(pkt, "key", fields(correct)["key"] ^ 0x80000001)
         self.bad_key += reaches_key_check(pkt, correct)
         return pkt
 
@@ -681,6 +689,7 @@ def worker_example(
     chunks = [(length + K_W - 1) // K_W for length in lengths]
     # float32: each slot's first round carries only exponents (later ones ride on the data rounds)
     rounds = sum(c + (min(c, SLOTS) if kind == "f" else 0) for c in chunks)
+    rounds += 2  # the session's hello: a first round, then one that every rank vouches for
     rng = np.random.default_rng(seed)
     with FakeAggregator(kind, n, plan, rounds) as fake:
         with Session(JOB, 0, n, fake.address, SLOT_BASE, SLOTS, K_W, timeout=WAIT_S, rto=0.5, key=KEY_W) as s:
@@ -750,6 +759,8 @@ def test_a_poisoned_answer_under_the_key_fails_the_call_cleanly() -> None:
 
         def poisoned(pkt: bytes) -> bytes:
             out = original(pkt)
+            if fields(out)["flags"] & FLAG_HELLO:  # the session opens; its call's answer is poisoned
+                return out
             return with_field(out, "flags", fields(out)["flags"] | FLAG_MISMATCH)
 
         fake.answer = poisoned  # type: ignore[method-assign]

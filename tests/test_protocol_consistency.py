@@ -52,6 +52,9 @@ def test_c_constants_match_protocol_py() -> None:
         "FLAG_LANE8",
         "SCALE_BLOCK",
         "SCALE_BIAS",
+        "FLAG_HELLO",
+        "IDENTITY_FLAGS",
+        "HELLO_ROUNDS",
     ):
         assert c[name] == getattr(protocol, name), name
     assert c["DROP_NREASONS"] == len(protocol.DROP_REASONS)
@@ -93,7 +96,7 @@ def test_p4_constants_match_protocol_py() -> None:
     assert p4["AGG_UDP_LEN"] == 8 + protocol.packet_len(protocol.P4_K)
     for name in (
         *("FLAG_PRIME", "FLAG_FLOAT", "FLAG_ABORT", "FLAG_MISMATCH", "FLAG_LANE16", "FLAG_LANE8"),
-        *("LANE_FLAGS", "IDENTITY_FLAGS", "POISON_FLAGS"),
+        *("FLAG_HELLO", "LANE_FLAGS", "IDENTITY_FLAGS", "POISON_FLAGS"),
     ):
         assert p4[name] == getattr(protocol, name), name
     for reason, index in protocol.DROP_INDEX.items():

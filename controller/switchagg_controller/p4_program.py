@@ -53,7 +53,8 @@ MAX_JOBS = 64  # size of the per-job counter arrays (MAX_JOBS in the P4 source)
 
 # Register arrays (read with simple_switch_CLI; P4Runtime cannot read bmv2 registers).
 REGISTERS = (
-    "MyIngress.slot_gen",
+    "MyIngress.set_gen",
+    "MyIngress.set_inc",
     "MyIngress.bitmap",
     "MyIngress.count",
     "MyIngress.max_exp",

@@ -69,8 +69,11 @@ struct job {
     uint16_t leaf_index;             /* this leaf's rank at the spine */
     struct sockaddr_in upstream;     /* the spine; RESULTs are accepted only from it */
     struct job_ctr *ctr;             /* one per thread: a thread counts only in its own */
-    /* Slot state; index i = local_slot * 2 + set. */
-    uint16_t *slot_gen;              /* per local slot */
+    /* Slot state; index i = local_slot * 2 + set. A set's stamp: the installation's generation and the
+     * session incarnation of the round it holds (docs/PROTOCOL.md, Sessions); a packet of another
+     * stamp finds the set empty. */
+    uint16_t *sgen;
+    uint32_t *sinc;
     uint32_t *bitmap;
     uint8_t *cnt;
     int8_t *exp;
@@ -90,7 +93,8 @@ struct job {
 
 static void job_free(struct job *j) {
     if (j == NULL) return;
-    free(j->slot_gen);
+    free(j->sgen);
+    free(j->sinc);
     free(j->bitmap);
     free(j->cnt);
     free(j->exp);
@@ -334,7 +338,7 @@ static struct sa_header round_header(const struct job *j, uint32_t pool, size_t 
         .offset = htonl(j->roffset[si]),
         .call = htonl(j->rcall[si]),
         .total = htonl(j->rtotal[si]),
-        .key = htonl(j->key),
+        .key = htonl(j->key ^ j->sinc[si]), /* a stored result answers only the session that made it */
     };
     return r;
 }
@@ -370,7 +374,7 @@ static void multicast(struct sa_agg_thread *t, struct job *j, uint32_t pool, siz
 /* A leaf's partial of state index si to the spine: a worker's DATA with rank = the leaf index. */
 static void send_partial(struct sa_agg_thread *t, const struct job *j, uint32_t slot, uint32_t s, size_t si) {
     struct sa_header up = round_header(j, slot | (s ? SA_POOL_SET_BIT : 0), si);
-    up.key = 0; /* a DATA carries no key */
+    up.key = htonl(j->sinc[si]); /* a DATA carries its session's incarnation */
     const uint8_t *out = encode_result(t, j, si);
     queue_msg(t, &up, SA_MSG_DATA, j->leaf_index, j->exp[si], out, 4 * (size_t)j->k, &j->upstream, 0);
 }
@@ -456,9 +460,10 @@ static void process_from_spine(struct sa_agg_thread *t, const uint8_t *buf, size
     uint32_t local, s;
     if (!job_slot(t, j, h, len, status ? 1 : j->k, &local, &s)) return;
     size_t si = 2 * (size_t)local + s;
-    /* A slot of an earlier installation (gen differs) sent no partial of this one: stale too. The
-     * spine's result carries the partial's identity, and its poison if any round below had one. */
-    if (j->slot_gen[local] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != j->key ||
+    /* A set of an earlier installation (gen differs) sent no partial of this one: stale too. The
+     * spine's result carries the partial's identity, its session's key, and its poison if any round
+     * below had one. */
+    if (j->sgen[si] != j->gen || j->cnt[si] != j->m || j->final[si] || ntohl(h->key) != (j->key ^ j->sinc[si]) ||
         ntohl(h->offset) != j->roffset[si] || ntohl(h->call) != j->rcall[si] ||
         ntohl(h->total) != j->rtotal[si] || (h->flags & SA_IDENTITY_FLAGS) != (j->rflags[si] & SA_IDENTITY_FLAGS)) {
         j->ctr[t->index].c[JC_STALE]++;
@@ -520,19 +525,23 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
     const uint32_t k = j->k;
     uint32_t bit = 1u << r;
 
-    if (j->slot_gen[local] != j->gen) { /* first packet into this slot for this installation */
-        j->slot_gen[local] = j->gen;
-        j->bitmap[2 * local] = j->bitmap[2 * local + 1] = 0;
-        j->cnt[2 * local] = j->cnt[2 * local + 1] = 0;
-        if (j->leaf) j->final[2 * local] = j->final[2 * local + 1] = 0;
-    }
     size_t si = 2 * (size_t)local + s, so = 2 * (size_t)local + (1 - s);
+    uint32_t inc = ntohl(h->key); /* the sender's session incarnation */
+    if (j->sgen[si] != j->gen || j->sinc[si] != inc) {
+        /* The set holds another installation's or another session's round (or none): this packet finds
+         * it empty, so no bit of an earlier session makes it a retransmission of a round it never sent. */
+        j->sgen[si] = j->gen;
+        j->sinc[si] = inc;
+        j->bitmap[si] = 0;
+        j->cnt[si] = 0;
+        if (j->leaf) j->final[si] = 0;
+    }
     const uint32_t *p = (const uint32_t *)(buf + SA_HEADER_LEN);
     uint32_t *v = j->values + si * k;
     if ((j->bitmap[si] & bit) == 0) {
         int first = j->bitmap[si] == 0;
         j->bitmap[si] |= bit;
-        j->bitmap[so] &= ~bit;
+        if (j->sgen[so] == j->gen && j->sinc[so] == inc) j->bitmap[so] &= ~bit; /* only this session's round */
         uint8_t poison = h->flags & SA_POISON_FLAGS;
         if (first) { /* overwrite: no reset of the slot is ever needed */
             k_load(v, p, k);
@@ -799,8 +808,9 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->ctr = aligned_alloc(64, (size_t)a->nthreads * sizeof *j->ctr);
     if (j->ctr == NULL) goto nomem;
     memset(j->ctr, 0, (size_t)a->nthreads * sizeof *j->ctr);
-    /* calloc: zero state, slot_gen 0 never equals a valid generation */
-    j->slot_gen = calloc(count, sizeof *j->slot_gen);
+    /* calloc: zero state; a stamp's generation 0 never equals a valid one */
+    j->sgen = calloc(2 * count, sizeof *j->sgen);
+    j->sinc = calloc(2 * count, sizeof *j->sinc);
     j->bitmap = calloc(2 * count, sizeof *j->bitmap);
     j->cnt = calloc(2 * count, sizeof *j->cnt);
     j->exp = calloc(2 * count, sizeof *j->exp);
@@ -810,7 +820,7 @@ int sa_agg_add_job(struct sa_agg *a, const struct sa_job_spec *spec, char *err, 
     j->roffset = calloc(2 * count, sizeof *j->roffset);
     j->rflags = calloc(2 * count, sizeof *j->rflags);
     j->poison = calloc(2 * count, sizeof *j->poison);
-    if (!j->slot_gen || !j->bitmap || !j->cnt || !j->exp || !j->values || !j->rcall || !j->rtotal ||
+    if (!j->sgen || !j->sinc || !j->bitmap || !j->cnt || !j->exp || !j->values || !j->rcall || !j->rtotal ||
         !j->roffset || !j->rflags || !j->poison)
         goto nomem;
     lock_all(a);

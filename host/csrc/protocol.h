@@ -18,7 +18,9 @@
 #define SA_FLAG_LANE16 0x10 /* bits 4-5: the payload's lane width (docs/PROTOCOL.md, Narrow lanes) */
 #define SA_FLAG_LANE8 0x20
 #define SA_LANE_FLAGS (SA_FLAG_LANE16 | SA_FLAG_LANE8)
-#define SA_IDENTITY_FLAGS (SA_FLAG_PRIME | SA_FLAG_FLOAT | SA_LANE_FLAGS)
+#define SA_FLAG_HELLO 0x40 /* a round of a session's hello (docs/PROTOCOL.md, Sessions) */
+#define SA_IDENTITY_FLAGS (SA_FLAG_PRIME | SA_FLAG_FLOAT | SA_LANE_FLAGS | SA_FLAG_HELLO)
+#define SA_HELLO_PHASES 16 /* a hello that has not agreed after this many rounds fails */
 #define SA_POISON_FLAGS (SA_FLAG_ABORT | SA_FLAG_MISMATCH)
 #define SA_MISMATCH_INFO_LEN 4
 #define SA_POOL_SET_BIT 0x8000

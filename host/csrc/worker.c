@@ -112,6 +112,8 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     if (c->slot_count < 1 || c->slot_base < 0 || c->slot_base + c->slot_count > SA_POOL_SLOT_MASK + 1)
         return sa_fail(err, errlen, "slot range %d+%d outside 0..32767", c->slot_base, c->slot_count);
     if (c->k < 1 || c->k > SA_MAX_K) return sa_fail(err, errlen, "k=%d not in 1..%d", c->k, SA_MAX_K);
+    if (c->k < c->n) /* a hello round is one packet with a word per rank (docs/PROTOCOL.md, Sessions) */
+        return sa_fail(err, errlen, "k=%d is below the world size %d: a session's hello needs k >= n", c->k, c->n);
     if (!(c->rto > 0 && c->rto_max >= c->rto && c->timeout > 0 && c->timeout < 1e9 && c->rto_max < 1e9))
         return sa_fail(err, errlen, "need 0 < rto <= rto_max and 0 < timeout, finite");
     struct sockaddr_in agg = {0};
@@ -151,6 +153,8 @@ int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, c
     w->rank = (uint16_t)c->rank;
     w->key = c->key;
     w->call = 0;
+    w->inc = 0;
+    w->opened = 0;
     if (getrandom(&w->seed, sizeof w->seed, 0) != (ssize_t)sizeof w->seed) w->seed = (uint32_t)sa_now_ns() ^ (uint32_t)getpid();
     w->n = c->n;
     w->slot_base = c->slot_base;
@@ -185,6 +189,8 @@ typedef struct {
     uint32_t call;   /* its identity on the wire: sa_call_identity(number, tag) */
     int tagged;
     int bits;        /* lane width on the wire: 32, or 16/8 for a float call in narrow lanes */
+    int hello;       /* a round of the session's hello: int32, call 0, flag HELLO */
+    uint32_t inc;    /* the incarnation its packets carry (the session's, or the hello round's) */
     uint8_t lane_flag;
     size_t vals;     /* values per packet: K for 32-bit lanes, protocol.lanes_per_packet for narrow */
     size_t xwords;   /* narrow: leading payload words of scale bytes */
@@ -274,8 +280,8 @@ static void build_packet(run_t *r, size_t i) {
     h->offset = htonl((uint32_t)((size_t)c * r->vals));
     h->call = htonl(r->call);
     h->total = htonl((uint32_t)r->len);
-    h->key = 0;
-    uint8_t kind_flag = (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag;
+    h->key = htonl(r->inc); /* a DATA's key field: its session incarnation */
+    uint8_t kind_flag = (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag | (r->hello ? SA_FLAG_HELLO : 0);
     if (s->phase == SLOT_ABORT) { /* its payload says who gave up on which call */
         h->flags = SA_FLAG_ABORT | kind_flag;
         h->exp = SA_EXP_NONE;
@@ -627,7 +633,7 @@ static size_t take_status(run_t *r, const uint8_t *pkt, uint64_t now, size_t *ou
     struct sa_worker *w = r->w;
     const struct sa_header *h = (const struct sa_header *)pkt;
     if (h->version != SA_VERSION || ntohs(h->job) != w->job || ntohs(h->rank) != w->rank || ntohs(h->elems) != 1 ||
-        ntohl(h->key) != w->key || ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len)
+        ntohl(h->key) != (w->key ^ r->inc) || ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len)
         return nout;
     uint16_t pool = ntohs(h->pool);
     long i = (long)(pool & SA_POOL_SLOT_MASK) - w->slot_base;
@@ -666,7 +672,9 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     if (len != w->pkt_len || h->version != SA_VERSION || h->type != SA_MSG_RESULT || ntohs(h->job) != w->job ||
         ntohs(h->rank) != w->rank || ntohs(h->elems) != w->k)
         return -1;
-    if (ntohl(h->key) != w->key) { /* only the job's aggregator knows the key: never use this payload */
+    /* Only the job's aggregator knows the key, and it answers a session with key ^ incarnation: never use
+     * this payload (a result of another session's round included) */
+    if (ntohl(h->key) != (w->key ^ r->inc)) {
         w->stats.bad_key++;
         return -1;
     }
@@ -685,7 +693,8 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     if (*poisoned) return i;
     if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * r->vals)) return -1;
     if (ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len) return -1;
-    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag;
+    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag |
+                   (r->hello ? SA_FLAG_HELLO : 0);
     if ((h->flags & SA_IDENTITY_FLAGS) != want) return -1;
     return i;
 }
@@ -937,6 +946,7 @@ static int run_call(run_t *r, int abort) {
 }
 
 static const char *kind_name(uint32_t flags) {
+    if (flags & SA_FLAG_HELLO) return "session-hello int32";
     if (!(flags & SA_FLAG_FLOAT)) return "int32";
     int bits = sa_lane_bits((uint8_t)flags);
     return bits == 16 ? "float32 (16-bit lanes)" : bits == 8 ? "float32 (8-bit lanes)" : "float32";
@@ -1023,10 +1033,130 @@ void sa_worker_cancel(struct sa_worker *w, const char *why, int cause) {
     if (w->cancel_fd >= 0) (void)!write(w->cancel_fd, &one, sizeof one);
 }
 
+/* The run's buffers go with it. */
+static void free_run(run_t *r) {
+    free(r->slots);
+    free(r->ready);
+    free(r->exp_local);
+    free(r->exp_max);
+}
+
+/* After a failed call or hello round: the worker is broken, and why_broken says why. */
+static void note_failure(struct sa_worker *w, run_t *r, int rc, int err) {
+    switch (rc) {
+    case SA_CALL_POISONED:
+        w->broken = 1;
+        w->cause = describe_poison(r, w->why_broken, sizeof w->why_broken);
+        break;
+    case SA_CALL_TIMEOUT:
+        /* No result at all: the peers may be alive and making other calls (a rank made a call fewer),
+         * stalled past the timeout, or gone; a liveness watcher, where there is one, says which first. */
+        w->broken = 1;
+        w->cause = SA_CAUSE_TIMEOUT;
+        if (r->hello)
+            snprintf(w->why_broken, sizeof w->why_broken,
+                     "opening the session failed: no answer to its hello from the aggregator for %.1f s (job %u, "
+                     "rank %u, hello round %u): every rank of the job opens its session together; a peer has not "
+                     "started (or is still in an earlier session: a rank restarted alone cannot rejoin its peers' "
+                     "session, restart them all), or the aggregator is unreachable",
+                     (double)w->timeout_ns / 1e9, w->job, w->rank, (unsigned)w->stats.hello_rounds);
+        else
+            snprintf(w->why_broken, sizeof w->why_broken,
+                     "no result from the aggregator for %.1f s (job %u, rank %u, call %u, %zu of %zu slots done): "
+                     "a peer has not made this call (it made fewer calls, is stalled, is gone, or restarted into a "
+                     "new session) or the aggregator is unreachable",
+                     (double)w->timeout_ns / 1e9, w->job, w->rank, r->number, r->done, r->active);
+        break;
+    case SA_CALL_NOMEM:
+        break;
+    case SA_CALL_CANCELLED:
+        w->broken = 1;
+        w->cause = w->cancel_cause;
+        snprintf(w->why_broken, sizeof w->why_broken, "%s (job %u, rank %u, %s %u, %zu of %zu slots done)",
+                 w->cancel_why, w->job, w->rank, r->hello ? "hello round" : "call",
+                 r->hello ? (unsigned)w->stats.hello_rounds : r->number, r->done, r->active);
+        break;
+    default:
+        w->broken = 1;
+        w->cause = SA_CAUSE_ERROR;
+        snprintf(w->why_broken, sizeof w->why_broken, "%s %u failed: %s", r->hello ? "hello round" : "call",
+                 r->hello ? (unsigned)w->stats.hello_rounds : r->number, strerror(err));
+        errno = err;
+    }
+}
+
+uint32_t sa_hello_digest(const uint32_t *words, size_t n, char domain) {
+    uint32_t h = sa_call_identity((uint32_t)n, (uint32_t)(unsigned char)domain << 24 | 0x5a11u);
+    for (size_t i = 0; i < n; i++) h = sa_call_identity(h, words[i] ^ 0x9e3779b9u);
+    return h ? h : 1u;
+}
+
+/* The session's hello (docs/PROTOCOL.md, Sessions): rounds of one int32 word per rank, a fresh random
+ * word each, whose low bit vouches that this rank found its own word in the round before. A round's
+ * incarnation is a digest of the round before (0 for the first), so rounds of an earlier session can
+ * answer only a round whose predecessor every rank found stale; the session starts, with an incarnation
+ * digested from the round, when a round holds this rank's own word and every rank's vouch. Every rank
+ * sees the same rounds, so every rank starts the same session, or none does. */
+static int open_session(struct sa_worker *w) {
+    uint64_t t0 = sa_now_ns();
+    size_t n = (size_t)w->n;
+    uint32_t *words = calloc(n, sizeof *words);
+    if (words == NULL) return SA_CALL_NOMEM;
+    uint32_t inc = 0, vouch = 0;
+    for (int round = 0; round < SA_HELLO_PHASES; round++) {
+        uint32_t mine = 0;
+        if (getrandom(&mine, sizeof mine, 0) != (ssize_t)sizeof mine) mine = (uint32_t)sa_now_ns() * 0x9e3779b1u;
+        mine = (mine & ~1u) | vouch;
+        if ((mine & ~1u) == 0) mine |= 2u;
+        memset(words, 0, n * sizeof *words);
+        words[w->rank] = mine;
+        run_t r = {.w = w, .kind = 'i', .data = words, .len = n, .bits = 32, .hello = 1, .inc = inc,
+                   .vals = (size_t)w->k, .nb = 1};
+        w->stats.hello_rounds++;
+        w->busy = 1;
+        int rc = run_call(&r, 0);
+        w->busy = 0;
+        int err = errno;
+        free_run(&r);
+        if (rc != SA_CALL_OK) {
+            free(words);
+            note_failure(w, &r, rc, err);
+            if (rc == SA_CALL_POISONED) { /* say it was the hello, not a call */
+                char why[sizeof w->why_broken];
+                snprintf(why, sizeof why, "opening the session failed: %s", w->why_broken);
+                memcpy(w->why_broken, why, sizeof why);
+            }
+            return rc;
+        }
+        int fresh = words[w->rank] == mine, all = 1;
+        for (size_t i = 0; i < n; i++) all &= (int)(words[i] & 1u);
+        if (fresh && all) {
+            w->inc = sa_hello_digest(words, n, 's');
+            w->opened = 1;
+            w->stats.hello_ns += sa_now_ns() - t0;
+            free(words);
+            return SA_CALL_OK;
+        }
+        vouch = (uint32_t)fresh;
+        inc = sa_hello_digest(words, n, 'h');
+    }
+    free(words);
+    w->broken = 1;
+    w->cause = SA_CAUSE_ERROR;
+    snprintf(w->why_broken, sizeof w->why_broken,
+             "opening the session failed: the ranks of job %u did not agree on a session in %d hello rounds "
+             "(another process is sending as one of its ranks?)", w->job, SA_HELLO_PHASES);
+    return SA_CALL_POISONED;
+}
+
 int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
                    float *residual) {
+    if (!w->opened) {
+        int rc = open_session(w);
+        if (rc != SA_CALL_OK) return rc;
+    }
     run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0, .bits = bits,
-               .residual = bits == 32 ? NULL : residual};
+               .residual = bits == 32 ? NULL : residual, .inc = w->inc};
     r.lane_flag = bits == 16 ? SA_FLAG_LANE16 : bits == 8 ? SA_FLAG_LANE8 : 0;
     r.vals = sa_lanes_per_packet((uint32_t)w->k, bits);
     r.xwords = sa_scale_words((uint32_t)w->k, bits);
@@ -1037,42 +1167,12 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
     int rc = run_call(&r, abort);
     w->busy = 0;
     int err = errno;
-    free(r.slots);
-    free(r.ready);
-    free(r.exp_local);
-    free(r.exp_max);
-    switch (rc) {
-    case SA_CALL_OK:
+    free_run(&r);
+    if (rc == SA_CALL_OK) {
         if (!abort) w->stats.allreduces++;
         if (!abort) w->stats.lane_bytes[bits == 32 ? 0 : bits == 16 ? 1 : 2] += (unsigned long long)r.chunks * w->pkt_len;
-        break;
-    case SA_CALL_POISONED:
-        w->broken = 1;
-        w->cause = describe_poison(&r, w->why_broken, sizeof w->why_broken);
-        break;
-    case SA_CALL_TIMEOUT:
-        /* No result at all: the peers may be alive and making other calls (a rank made a call fewer),
-         * stalled past the timeout, or gone; a liveness watcher, where there is one, says which first. */
-        w->broken = 1;
-        w->cause = SA_CAUSE_TIMEOUT;
-        snprintf(w->why_broken, sizeof w->why_broken,
-                 "no result from the aggregator for %.1f s (job %u, rank %u, call %u, %zu of %zu slots done): "
-                 "a peer has not made this call (it made fewer calls, is stalled, or is gone) or the aggregator "
-                 "is unreachable", (double)w->timeout_ns / 1e9, w->job, w->rank, r.number, r.done, r.active);
-        break;
-    case SA_CALL_NOMEM:
-        break;
-    case SA_CALL_CANCELLED:
-        w->broken = 1;
-        w->cause = w->cancel_cause;
-        snprintf(w->why_broken, sizeof w->why_broken, "%s (job %u, rank %u, call %u, %zu of %zu slots done)",
-                 w->cancel_why, w->job, w->rank, r.number, r.done, r.active);
-        break;
-    default:
-        w->broken = 1;
-        w->cause = SA_CAUSE_ERROR;
-        snprintf(w->why_broken, sizeof w->why_broken, "call %u failed: %s", r.number, strerror(err));
-        errno = err;
+    } else {
+        note_failure(w, &r, rc, err);
     }
     if (abort && !w->broken) { /* nothing came back poisoned (no peer), but peers may still come */
         w->broken = 1;

@@ -18,6 +18,8 @@ struct sa_worker_stats {
     unsigned long long lane_bytes[3];   /* datagram bytes of completed calls' first sends, by lane width 32/16/8 */
     unsigned long long status_resends;  /* resends a STATUS asked for: the round waits for this rank */
     unsigned long long status_holds;    /* STATUS notices that the round has this rank's packet: no resend */
+    unsigned long long hello_rounds;    /* rounds of this session's hello (2 unless an earlier session's were met) */
+    unsigned long long hello_ns;        /* how long the hello took, ns */
 };
 
 struct sa_worker {
@@ -36,6 +38,8 @@ struct sa_worker {
     uint16_t job, rank;
     uint32_t key;  /* the job's result key: a RESULT without it is not from the job's aggregator */
     uint32_t call; /* the call sequence number of the latest call (the next one is call + 1) */
+    uint32_t inc;  /* the session's incarnation, agreed by its hello (docs/PROTOCOL.md, Sessions) */
+    int opened;    /* the hello is done: inc is this session's */
     uint32_t seed; /* narrow lanes' stochastic rounding: this worker's random seed */
     int n, slot_base, slot_count, k;
     int window;    /* packets in flight at most: the job's slots, or fewer if SO_RCVBUF cannot hold their results */
@@ -78,6 +82,10 @@ enum sa_cause { SA_CAUSE_ERROR = 0, SA_CAUSE_TIMEOUT, SA_CAUSE_PEER_GONE, SA_CAU
  * match only if both agree (docs/PROTOCOL.md, Call identity). */
 uint32_t sa_call_identity(uint32_t seq, uint32_t tag);
 
+/* The incarnations a hello derives from a round's words: the next hello round's (domain 'h') or, once
+ * every rank vouched for the round before, the session's (domain 's'); never 0 (the first hello round's). */
+uint32_t sa_hello_digest(const uint32_t *words, size_t n, char domain);
+
 /* Functions returning int: 0 on success, -1 with the reason in err (bad arguments), -2 with errno. */
 
 /* Binds the socket (so its address can be registered before the job is configured). */
@@ -85,7 +93,8 @@ int sa_worker_open(struct sa_worker *w, const char *host, int port, int rcvbuf, 
 int sa_worker_configure(struct sa_worker *w, const struct sa_worker_config *c, char *err, size_t errlen);
 /* -1 with the reason when no call can be made now (not configured, broken, busy). */
 int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
-/* One call: allreduce len elements of data in place (kind 'f' float32 or 'i' int32), or (abort) give
+/* One call: before the session's first, its hello (docs/PROTOCOL.md, Sessions) with every other rank.
+ * Allreduce len elements of data in place (kind 'f' float32 or 'i' int32), or (abort) give
  * up the next call so every peer fails it too; `tag` (0: none) goes into the call's identity. `bits`:
  * the lanes on the wire, 32, or 16/8 for float32 (docs/PROTOCOL.md, Narrow lanes); with narrow lanes and
  * residual != NULL (len floats), residual is added to data first and then holds what rounding took from

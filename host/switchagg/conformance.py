@@ -61,10 +61,11 @@ _SEND_KEYS = {
     "call",
     "total",
     "key",
+    "inc",
 }
 _OVERRIDE_KEYS = {"version", "type", "elems", "truncate", "extra"}
 _LANE_KEYS = {"lanes16": 16, "lanes8": 8}  # a narrow-lane payload's key -> its lane width
-_EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values", "call", "total"}
+_EXPECT_KEYS = {"to", "job", "slot", "set", "offset", "exp", "flags", "values", "call", "total", "inc"}
 
 
 class VectorError(ValueError):
@@ -295,9 +296,11 @@ def _build_send(o: Mapping[str, Any], k: int, jobs: Mapping[int, JobSpec], where
     if job is not None and endpoint == job.upstream:
         own_rank = job.leaf_index  # the spine addresses the leaf by its rank at the spine
     msg_type = _int(o, "type", where, 0, 255, MSG_DATA)
-    # The spine's RESULT carries the job's key (the same on every level); anything else none.
+    # A DATA's key field is its session incarnation (`inc`, default 0); the spine's RESULT carries the
+    # job's key (the same on every level) for that session, key ^ inc; anything else none.
+    inc = _int(o, "inc", where, 0, 2**32 - 1, 0)
     from_spine = job is not None and endpoint == job.upstream and msg_type == MSG_RESULT
-    spine_key = job.key if from_spine and job is not None else 0
+    spine_key = job.key ^ inc if from_spine and job is not None else inc if msg_type == MSG_DATA else 0
     header = Header(
         job=job_id,
         rank=_int(o, "rank", where, 0, 0xFFFF, endpoint if own_rank is None else own_rank),
@@ -332,6 +335,7 @@ def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> 
     if not isinstance(to, list) or not to:
         raise VectorError(f"{where}: 'to' must be a non-empty list of endpoints, got {to!r}")
     values = expand_values(o.get("values"), k, where)
+    inc = _int(o, "inc", where, 0, 2**32 - 1, 0)  # the session incarnation of the round
     out = []
     for endpoint in to:
         # To the spine a leaf sends a DATA with its leaf index as the rank; to a worker a RESULT.
@@ -351,7 +355,7 @@ def _build_expect(obj: Any, k: int, jobs: Mapping[int, JobSpec], where: str) -> 
             elems=k,
             call=_int(o, "call", where, 0, 2**32 - 1, DEFAULT_CALL),
             total=_int(o, "total", where, 0, 2**32 - 1, DEFAULT_TOTAL),
-            key=0 if up else job.key,  # a DATA carries no key
+            key=inc if up else job.key ^ inc,  # a DATA carries its session, a RESULT the key for it
             values=values,
         )
         out.append((endpoint, header.pack()))

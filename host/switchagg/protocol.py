@@ -30,6 +30,9 @@ FLAG_MISMATCH = 0x08  # RESULT: the round's contributions differ in call identit
 FLAG_LANE16 = 0x10
 FLAG_LANE8 = 0x20
 LANE_FLAGS = FLAG_LANE16 | FLAG_LANE8
+# A round of a session's hello (docs/PROTOCOL.md, Sessions): int32, call 0, one word per rank.
+FLAG_HELLO = 0x40
+HELLO_ROUNDS = 16  # a hello that has not agreed after this many rounds fails
 FLAG_NAMES = {
     FLAG_PRIME: "PRIME",
     FLAG_FLOAT: "FLOAT",
@@ -37,12 +40,13 @@ FLAG_NAMES = {
     FLAG_MISMATCH: "MISMATCH",
     FLAG_LANE16: "LANE16",
     FLAG_LANE8: "LANE8",
+    FLAG_HELLO: "HELLO",
 }
 LANE_BITS = {0: 32, FLAG_LANE16: 16, FLAG_LANE8: 8}  # lane flags -> width
 LANE_FLAG = {bits: flag for flag, bits in LANE_BITS.items()}  # width -> lane flags
 WIRE_BITS = (32, 16, 8)
 # A contribution's identity, compared within a slot round: (call, total, offset, flags & IDENTITY_FLAGS).
-IDENTITY_FLAGS = FLAG_PRIME | FLAG_FLOAT | LANE_FLAGS
+IDENTITY_FLAGS = FLAG_PRIME | FLAG_FLOAT | LANE_FLAGS | FLAG_HELLO
 # A round that got a contribution with one of these, or contributions of different identity, is
 # poisoned: its RESULT carries them and no sum (docs/PROTOCOL.md, Call identity).
 POISON_FLAGS = FLAG_ABORT | FLAG_MISMATCH

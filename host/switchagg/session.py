@@ -149,9 +149,10 @@ class Session:
     ``allreduce`` sums in place over all ranks; ``allreduce_async`` returns a future and runs
     the C packet path on the session's own thread, one allreduce at a time in call order.
 
-    Open the sessions of a job on a fresh installation (``add_job`` with a new generation): a second
-    set of sessions on the same one could take the first set's stored sums for its own first call
-    (docs/PROTOCOL.md, One installation, one session per rank). The job service does this for you.
+    The ranks' sessions open together: the first call runs the session's hello with every other rank
+    (docs/PROTOCOL.md, Sessions), which agrees on an incarnation no earlier session of the job had, so
+    a job installed once serves run after run and a sum always belongs to the run that asked for it.
+    A rank restarted alone cannot rejoin its peers' session: its first call and theirs fail.
     """
 
     def __init__(

@@ -13,8 +13,10 @@
 control Aggregate(inout headers_t hdr, inout metadata_t meta,
                   inout standard_metadata_t standard_metadata) {
 
-    /* Index: slot for slot_gen, 2 * slot + set for the rest, (2 * slot + set) * K + i for value i. */
-    @name(".MyIngress.slot_gen")     register<bit<16>>(P4_NUM_SLOTS) slot_gen;
+    /* Index: 2 * slot + set, (2 * slot + set) * K + i for value i. A set's stamp is the generation of
+     * its installation and the session incarnation of its round (docs/PROTOCOL.md, Sessions). */
+    @name(".MyIngress.set_gen")      register<bit<16>>(NUM_SETS) set_gen;
+    @name(".MyIngress.set_inc")      register<bit<32>>(NUM_SETS) set_inc;
     @name(".MyIngress.bitmap")       register<bit<32>>(NUM_SETS) bitmap;
     @name(".MyIngress.count")        register<bit<8>>(NUM_SETS) count;
     @name(".MyIngress.max_exp")      register<bit<8>>(NUM_SETS) max_exp;
@@ -67,25 +69,32 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         bit<32> si = 2 * slot + shadow;
         bit<32> so = 2 * slot + (1 - shadow);
 
+        /* A set of another installation or another session (a DATA's key field is its session's
+         * incarnation) is empty for this packet: no earlier session's bit makes it a retransmission. */
         bit<16> gen;
-        slot_gen.read(gen, slot);
-        bool fresh = gen != meta.generation;
-        slot_gen.write(slot, meta.generation);
+        bit<32> inc;
+        set_gen.read(gen, si);
+        set_inc.read(inc, si);
+        bool fresh = gen != meta.generation || inc != hdr.agg.key;
+        set_gen.write(si, meta.generation);
+        set_inc.write(si, hdr.agg.key);
+        /* the other set's round is this packet's to leave only if it is of its session */
+        bit<16> gen_o;
+        bit<32> inc_o;
+        set_gen.read(gen_o, so);
+        set_inc.read(inc_o, so);
+        bool same_o = gen_o == meta.generation && inc_o == hdr.agg.key;
 
         bit<32> bm_s;
         bit<32> bm_o;
         bit<8> cnt_s;
-        bit<8> cnt_o;
         bit<8> e_s;
         bitmap.read(bm_s, si);
         bitmap.read(bm_o, so);
         count.read(cnt_s, si);
-        count.read(cnt_o, so);
         max_exp.read(e_s, si);
         bm_s = fresh ? 32w0 : bm_s;
-        bm_o = fresh ? 32w0 : bm_o;
         cnt_s = fresh ? 8w0 : cnt_s;
-        cnt_o = fresh ? 8w0 : cnt_o;
         bit<32> rc;
         bit<32> rt;
         bit<32> po;
@@ -98,17 +107,14 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         poison.read(ps, si);
         /* Leaf state (written for every job; only a leaf's job reads it). */
         bit<1> fin_s;
-        bit<1> fin_o;
         final.read(fin_s, si);
-        final.read(fin_o, so);
         fin_s = fresh ? 1w0 : fin_s;
-        fin_o = fresh ? 1w0 : fin_o;
 
         bit<32> me = 32w1 << (bit<8>)hdr.agg.rank;
         bool is_new = (bm_s & me) == 0;
         bool first = bm_s == 0;
         bm_s = bm_s | me;
-        bm_o = is_new ? (bm_o & ~me) : bm_o;
+        bm_o = (is_new && same_o) ? (bm_o & ~me) : bm_o;
         cnt_s = is_new ? (first ? 8w1 : cnt_s + 1) : cnt_s;
         /* signed max: flipping the sign bit maps int8 order onto unsigned order */
         bool pkt_bigger = (hdr.agg.exp ^ 0x80) > (e_s ^ 0x80);
@@ -136,10 +142,8 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         bitmap.write(si, bm_s);
         bitmap.write(so, bm_o);
         count.write(si, cnt_s);
-        count.write(so, cnt_o);
         max_exp.write(si, e_s);
         final.write(si, fin_s);
-        final.write(so, fin_o);
         round_call.write(si, rc);
         round_total.write(si, rt);
         round_offset.write(si, po);
@@ -187,8 +191,8 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         values.write(base + i, ok ? hdr.vals.v##i : old);
 
     /* A leaf takes the spine's RESULT for a slot only as the answer to its partial: the slot is
-     * of this installation, locally complete, not final yet, the result carries the job's key and
-     * the partial's identity (call, total, offset, PRIME/FLOAT/LANES). Then the result replaces
+     * of this installation, locally complete, not final yet, the result carries the job's key for the
+     * set's session (key ^ incarnation) and the partial's identity (call, total, offset, PRIME/FLOAT/LANES). Then the result replaces
      * the partial (narrow lanes too: the spine did the lane arithmetic), its poison is kept, and
      * the set is final. */
     @name(".MyIngress.store_result")
@@ -196,6 +200,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         bit<32> slot = (bit<32>)(hdr.agg.pool & POOL_SLOT_MASK);
         bit<32> si = 2 * slot + (bit<32>)(hdr.agg.pool >> 15);
         bit<16> gen;
+        bit<32> inc;
         bit<8> cnt_s;
         bit<1> fin_s;
         bit<32> rc;
@@ -204,7 +209,8 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         bit<8> pf;
         bit<8> ps;
         bit<8> e_s;
-        slot_gen.read(gen, slot);
+        set_gen.read(gen, si);
+        set_inc.read(inc, si);
         count.read(cnt_s, si);
         final.read(fin_s, si);
         round_call.read(rc, si);
@@ -213,7 +219,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         round_flags.read(pf, si);
         poison.read(ps, si);
         max_exp.read(e_s, si);
-        bool ok = gen == meta.generation && cnt_s == meta.m && fin_s == 0 && hdr.agg.key == meta.key
+        bool ok = gen == meta.generation && cnt_s == meta.m && fin_s == 0 && hdr.agg.key == (meta.key ^ inc)
                   && hdr.agg.call == rc && hdr.agg.total == rt && hdr.agg.offset == po
                   && (hdr.agg.flags & IDENTITY_FLAGS) == (pf & IDENTITY_FLAGS);
         final.write(si, ok ? 1w1 : fin_s);
@@ -223,6 +229,7 @@ control Aggregate(inout headers_t hdr, inout metadata_t meta,
         bit<32> old;
         FOR_EACH_VALUE(VALUE_STORE)
         meta.outcome = ok ? OUT_STORED : OUT_STALE_RESULT;
+        hdr.agg.key = inc; /* Result writes the job's key for this session: meta.key ^ hdr.agg.key */
     }
 
     apply {

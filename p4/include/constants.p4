@@ -18,7 +18,8 @@ const bit<8>  FLAG_MISMATCH = 0x08;
 const bit<8>  FLAG_LANE16   = 0x10;
 const bit<8>  FLAG_LANE8    = 0x20;
 const bit<8>  LANE_FLAGS    = 0x30;
-const bit<8>  IDENTITY_FLAGS = 0x33;    /* PRIME | FLOAT | LANES: part of a contribution's call identity */
+const bit<8>  FLAG_HELLO    = 0x40;     /* a round of a session's hello (docs/PROTOCOL.md, Sessions) */
+const bit<8>  IDENTITY_FLAGS = 0x73;    /* PRIME | FLOAT | LANES | HELLO: part of a contribution's call identity */
 const bit<8>  POISON_FLAGS   = 0x0C;    /* ABORT | MISMATCH: the round carries no sum */
 
 const bit<16> AGG_UDP_LEN = 8 + 28 + 4 * 64;    /* UDP header + agg header + K values */

@@ -70,7 +70,7 @@ header agg_t {
     bit<32> offset;
     bit<32> call;     /* the job's call sequence number */
     bit<32> total;    /* elements in the call's tensor */
-    bit<32> key;      /* RESULT: the job's result key; DATA: 0 */
+    bit<32> key;      /* RESULT: the job's result key ^ the session's incarnation; DATA: the incarnation */
 }
 
 #define VALUE_FIELD(i) bit<32> v##i;

@@ -24,7 +24,7 @@ control Result(inout headers_t hdr, inout metadata_t meta,
     action make_result() {
         meta.is_result = 1;
         hdr.agg.type = MSG_RESULT;
-        hdr.agg.key = meta.key;
+        hdr.agg.key = meta.key ^ hdr.agg.key; /* the DATA's incarnation: a result answers only its session */
         hdr.ethernet.srcAddr = meta.agg_mac;
         hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;
         hdr.udp.srcPort = UDP_PORT;

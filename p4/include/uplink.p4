@@ -18,12 +18,11 @@ control LeafUplink(inout headers_t hdr, inout metadata_t meta,
 
     /* Turn the DATA packet into this leaf's partial for the spine: a worker's DATA with rank = the
      * leaf index, the slot's value, exponent, round identity and poison (aggregate_slot left them
-     * in the header), no key; from this leaf's address. */
+     * in the header), the session's incarnation in the key field (the DATA's); from this leaf's address. */
     @name(".MyIngress.make_partial")
     action make_partial() {
         meta.to_spine = 1;
         hdr.agg.rank = meta.leaf_index;
-        hdr.agg.key = 0;
         hdr.ethernet.dstAddr = meta.spine_mac;
         hdr.ethernet.srcAddr = meta.agg_mac;
         hdr.ipv4.srcAddr = hdr.ipv4.dstAddr;

@@ -4,7 +4,7 @@
 static PyObject *constants(PyObject *self, PyObject *unused) {
     /* Exposed so that tests can compare the C constants with protocol.py. */
     return Py_BuildValue(
-        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
+        "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}",
         "VERSION", SA_VERSION, "UDP_PORT", SA_UDP_PORT, "MSG_DATA", SA_MSG_DATA, "MSG_RESULT", SA_MSG_RESULT,
         "MSG_STATUS", SA_MSG_STATUS, "STATUS_LAG", SA_STATUS_LAG,
         "FLAG_PRIME", SA_FLAG_PRIME, "FLAG_FLOAT", SA_FLAG_FLOAT, "FLAG_ABORT", SA_FLAG_ABORT,
@@ -14,7 +14,8 @@ static PyObject *constants(PyObject *self, PyObject *unused) {
         "IPV4_UDP_HEADERS", SA_IPV4_UDP_HEADERS,
         "STEER_CLASSES", SA_STEER_CLASSES,
         "FLAG_LANE16", SA_FLAG_LANE16, "FLAG_LANE8", SA_FLAG_LANE8, "SCALE_BLOCK", SA_SCALE_BLOCK,
-        "SCALE_BIAS", SA_SCALE_BIAS,
+        "SCALE_BIAS", SA_SCALE_BIAS, "FLAG_HELLO", SA_FLAG_HELLO, "IDENTITY_FLAGS", SA_IDENTITY_FLAGS,
+        "HELLO_ROUNDS", SA_HELLO_PHASES,
         "DROP_NREASONS", SA_DROP_NREASONS);
 }
 

@@ -147,13 +147,14 @@ static PyObject *worker_abort(Worker *self, PyObject *args) {
 
 static PyObject *worker_stats(Worker *self, PyObject *unused) {
     const struct sa_worker_stats *s = &self->w.stats;
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "sent", s->sent,
                          "retransmits", s->retransmits, "fast_retransmits", s->fast_retransmits, "status_resends",
                          s->status_resends, "status_holds", s->status_holds, "spurious_retransmits", s->spurious, "tail_probes", s->tail_probes, "spurious_probes", s->spurious_probes,
                          "timeouts", s->timeouts, "gso_sends", s->gso_sends, "gro_receives", s->gro_receives,
                          "results", s->results, "stale", s->stale, "bad_key", s->bad_key,
                          "allreduces", s->allreduces, "bytes_sent", s->bytes, "bytes_lanes32", s->lane_bytes[0],
-                         "bytes_lanes16", s->lane_bytes[1], "bytes_lanes8", s->lane_bytes[2], "call", self->w.call);
+                         "bytes_lanes16", s->lane_bytes[1], "bytes_lanes8", s->lane_bytes[2], "hello_rounds", s->hello_rounds,
+                         "hello_ns", s->hello_ns, "call", self->w.call);
 }
 
 /* cancel(reason, cause=SwitchaggError): from any thread, end the call in progress and refuse later ones;

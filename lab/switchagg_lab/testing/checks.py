@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +82,11 @@ def check_results(
                 assert not bad.any(), f"{where}: {int(bad.sum())} elements off the bound"
                 assert np.array_equal(got, files[0][f"t{i}"]), f"{where}: differs from rank 0's bits"
     return [json.loads(str(f["stats"])) for f in files]
+
+
+def hello_rounds(stats: Sequence[Mapping[str, int]]) -> int:
+    """The rounds of the sessions' hello (docs/PROTOCOL.md, Sessions) in a job's counters: every rank
+    ran the same ones (they saw the same rounds), each round one contribution per rank."""
+    rounds = {s["hello_rounds"] for s in stats}
+    assert len(rounds) == 1, f"the ranks' hellos differ: {rounds}"
+    return rounds.pop()

@@ -38,6 +38,8 @@ FAULTS = (
     "loss",
     "duplicated packets",
     "worker killed",
+    "rank restarted alone",
+    "standing job reused",
     "worker stalled",
     "aggregator restarted",
     "controller restarted",

@@ -34,6 +34,7 @@ def test_rates_of_two_reads_around_known_allreduces_are_exact(software_controlle
     try:
         k = [read_line(p) for p in procs][0]["k"]
         chunks = -(-LENGTH // k)
+        step(procs, n)  # the sessions open (their hello: docs/PROTOCOL.md, Sessions) before the reads
         before = _snapshot(software_controller)
         for _ in range(rounds):
             step(procs, n)
@@ -134,6 +135,7 @@ def test_a_two_level_job_is_one_row_with_its_workers_rates(tmp_path: Path) -> No
         procs = [stepped_worker(ctl, name, n, ip) for ip in WORKER_IPS]
         k = [read_line(p) for p in procs][0]["k"]
         chunks = -(-LENGTH // k)
+        step(procs, n)  # the sessions open (their hello: docs/PROTOCOL.md, Sessions) before the reads
         before = _snapshot(ctl)
         for _ in range(rounds):
             step(procs, n)

@@ -23,6 +23,7 @@ pytest.importorskip("prometheus_client", reason="the metrics need prometheus-cli
 
 from switchagg import Session, SwitchaggTimeout, _core, protocol  # noqa: E402
 from switchagg.aggregator import SoftwareAggregator  # noqa: E402
+from switchagg_lab.testing.checks import hello_rounds  # noqa: E402
 from switchagg_lab.testing.kit import (  # noqa: E402
     allreduce_all,
     free_port,
@@ -138,13 +139,15 @@ def _lossy_rounds(
             return {**agg, **wk} if sent == accounted else None
 
         now = _eventually(settled, "the aggregator accounts for every packet the workers sent")
-        # int32: every chunk is one contribution per rank and one multicast, lost or not.
-        assert value(now, "switchagg_job_aggregated_total", **job) == round_ * N * CHUNKS
-        assert value(now, "switchagg_job_multicast_total", **job) == round_ * CHUNKS
+        # int32: every chunk is one contribution per rank and one multicast, lost or not; so is each
+        # round of the sessions' hello (docs/PROTOCOL.md, Sessions), the same ones on every rank.
+        hello = hello_rounds([s.stats() for s in sessions])
+        assert value(now, "switchagg_job_aggregated_total", **job) == (round_ * CHUNKS + hello) * N
+        assert value(now, "switchagg_job_multicast_total", **job) == round_ * CHUNKS + hello
         assert value(now, "switchagg_worker_allreduces_total", job_id="5") == round_ * N
         assert value(now, "switchagg_worker_allreduce_seconds_count", job_id="5") == round_ * N
         assert value(now, "switchagg_worker_allreduce_bytes_total", job_id="5") == round_ * N * SIZE * 4
-        assert value(now, "switchagg_worker_results_total", job_id="5") == round_ * N * CHUNKS
+        assert value(now, "switchagg_worker_results_total", job_id="5") == (round_ * CHUNKS + hello) * N
         assert value(now, "switchagg_packets_received_total") == value(
             now, "switchagg_worker_packets_sent_total", job_id="5"
         )
@@ -204,7 +207,8 @@ def test_aggregator_and_worker_metrics_move_as_a_lossy_job_runs(aggregator_cli: 
         for reason, packet in (("bad_version", bad_version), ("spoofed", good.pack())):
             drops = _counted_once(agg_metrics, port, reason, packet)
             assert value(drops, "switchagg_drops_total", reason=reason) == 1
-        assert value(drops, "switchagg_job_aggregated_total", **JOB_LABELS) == 2 * N * CHUNKS
+        hello = hello_rounds([s.stats() for s in sessions])
+        assert value(drops, "switchagg_job_aggregated_total", **JOB_LABELS) == (2 * CHUNKS + hello) * N
     finally:
         for s in sessions:
             s.close()

@@ -40,6 +40,7 @@ FIELDS = [f"switchagg.{name}" for name in protocol.HEADER_FIELDS] + [
     "switchagg.flags.prime",
     "switchagg.flags.lane16",
     "switchagg.flags.lane8",
+    "switchagg.flags.hello",
     "switchagg.lanes",
     "switchagg.pool.shadow",
     "switchagg.pool.slot",
@@ -111,6 +112,7 @@ def _expected(h: protocol.Header) -> dict[str, Any]:
     row["switchagg.flags.prime"] = 1 if h.flags & protocol.FLAG_PRIME else 0
     row["switchagg.flags.lane16"] = 1 if h.flags & protocol.FLAG_LANE16 else 0
     row["switchagg.flags.lane8"] = 1 if h.flags & protocol.FLAG_LANE8 else 0
+    row["switchagg.flags.hello"] = 1 if h.flags & protocol.FLAG_HELLO else 0
     row["switchagg.lanes"] = protocol.LANE_BITS.get(h.flags & protocol.LANE_FLAGS, 0)  # 0: LANES = 0x30
     row["switchagg.pool.shadow"] = h.shadow
     row["switchagg.pool.slot"] = h.slot

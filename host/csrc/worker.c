@@ -1122,9 +1122,11 @@ static int open_session(struct sa_worker *w) {
             free(words);
             note_failure(w, &r, rc, err);
             if (rc == SA_CALL_POISONED) { /* say it was the hello, not a call */
-                char why[sizeof w->why_broken];
-                snprintf(why, sizeof why, "opening the session failed: %s", w->why_broken);
-                memcpy(w->why_broken, why, sizeof why);
+                static const char pre[] = "opening the session failed: ";
+                size_t len = strnlen(w->why_broken, sizeof w->why_broken - sizeof pre);
+                memmove(w->why_broken + sizeof pre - 1, w->why_broken, len);
+                memcpy(w->why_broken, pre, sizeof pre - 1);
+                w->why_broken[sizeof pre - 1 + len] = '\0';
             }
             return rc;
         }

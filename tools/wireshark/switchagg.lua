@@ -5,7 +5,7 @@
 --
 -- Decodes UDP to and from port 48879 (the preference switchagg.udp_port changes it, or use
 -- Decode As ... switchagg on any UDP port). Filter fields: switchagg.version, .type, .flags,
--- .flags.prime (.float, .abort, .mismatch, .lane16, .lane8), .exp, .job, .rank, .pool, .pool.shadow,
+-- .flags.prime (.float, .abort, .mismatch, .lane16, .lane8, .hello), .exp, .job, .rank, .pool, .pool.shadow,
 -- .pool.slot, .elems, .offset, .call, .total, .key, .values
 -- (how many int32 values the payload holds) and .value (each of them); .lanes (the lane width: 32,
 -- 16 or 8), and for narrow lanes (docs/PROTOCOL.md, Narrow lanes) the same words again as .scale
@@ -29,7 +29,7 @@ local C = {
   SCALE_BLOCK = 32,
 }
 local MSG_NAMES = { [1] = "DATA", [2] = "RESULT", [3] = "STATUS" }
-local FLAG_NAMES = { [1] = "PRIME", [2] = "FLOAT", [4] = "ABORT", [8] = "MISMATCH", [16] = "LANE16", [32] = "LANE8" }
+local FLAG_NAMES = { [1] = "PRIME", [2] = "FLOAT", [4] = "ABORT", [8] = "MISMATCH", [16] = "LANE16", [32] = "LANE8", [64] = "HELLO" }
 -- the LANES flag bits -> the payload's lane width (LANES = 0x30: none)
 local LANE_BITS = { [0] = 32, [16] = 16, [32] = 8 }
 -- the header's fields in wire order (offset and size in bytes; all big-endian)

@@ -9,7 +9,7 @@ prints one JSON report as its last stdout line. CONFIG (JSON) keys, with their d
   length=1000  seed=0          iteration i sums (arange(length) * (seed+i+1) + 7*rank - 3)
   iterations=1                 int32 allreduces at most
   stdin=False                  step by stdin: print {"job_id", "k"} once joined, then do one
-                               allreduce per line read (printing {"sum": x[0]}), until EOF
+                               allreduce per line read (printing {"sum": x[0], "hello_rounds"}), until EOF
   progress=None                a file that holds the number of allreduces done so far
   stop=None                    a file that ends the run: empty, at the next iteration; a number,
                                at that iteration (one no rank began yet: stop_together)
@@ -93,7 +93,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 report["ok" if exact else "wrong"] += 1
                 report.update(int_sum=int(x.astype(np.int64).sum()), int_head=x[:4].tolist())
                 if cfg.get("stdin"):
-                    print(json.dumps({"sum": int(x[0])}), flush=True)
+                    print(json.dumps({"sum": int(x[0]), "hello_rounds": s.stats()["hello_rounds"]}), flush=True)
                 if progress is not None:
                     progress.write_text(str(it + 1))
             if cfg.get("float_round"):

@@ -44,13 +44,17 @@ def read_line(p: subprocess.Popen[str]) -> dict[str, int]:
     return result
 
 
-def step(procs: list[subprocess.Popen[str]], n: int) -> None:
-    """One allreduce on every worker; each must see the exact sum (its first element)."""
+def step(procs: list[subprocess.Popen[str]], n: int) -> int:
+    """One allreduce on every worker; each must see the exact sum (its first element). Returns the
+    rounds of the sessions' hello so far (the first step's call runs it: docs/PROTOCOL.md, Sessions),
+    the same on every worker of one session: each adds one contribution per rank to the job."""
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
-    assert [read_line(p)["sum"] for p in procs] == [int(expected(LENGTH, 1, n)[0])] * n
+    lines = [read_line(p) for p in procs]
+    assert [line["sum"] for line in lines] == [int(expected(LENGTH, 1, n)[0])] * n
+    return max(line["hello_rounds"] for line in lines)
 
 
 def leave(procs: list[subprocess.Popen[str]]) -> None:

@@ -5,14 +5,17 @@ bmv2_tests/test_sessions_bmv2.py runs them through the P4 switch)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
-from switchagg.aggregator import new_key
+from switchagg import Session, _core
+from switchagg.aggregator import SoftwareAggregator, new_key
 from switchagg_lab.testing import standing_job as sj
 from switchagg_lab.testing.kit import free_ports
 from switchagg_lab.testing.reliability import Reliability
@@ -83,3 +86,48 @@ def test_a_run_killed_mid_call_leaves_nothing_for_the_next(start: sj.Start, reli
 def test_a_rank_restarted_alone_fails_every_rank(start: sj.Start, reliability: Reliability) -> None:
     sums, elapsed = sj.restarted_alone(start, N)
     reliability.record(sums=sums, recovery_s=round(elapsed, 1))
+
+
+def _sessions(agg: SoftwareAggregator, key: int, addrs: list[tuple[str, int]]) -> list[Session]:
+    """Each rank's session of one run, on sockets bound anew at the job's addresses (as a run's
+    processes bind them)."""
+    return [
+        Session(JOB, r, N, agg.address, 0, SLOTS, K, timeout=10, key=key, _worker=_core.Worker(*a))
+        for r, a in enumerate(addrs)
+    ]
+
+
+def _each(sessions: list[Session], what: Callable[[int, Session], None]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
+        for f in [pool.submit(what, r, s) for r, s in enumerate(sessions)]:
+            f.result(timeout=sj.WAIT_S)
+
+
+def test_a_hello_that_meets_an_earlier_sessions_hello_goes_on_until_every_rank_vouches() -> None:
+    """Run A only opens its sessions (two hello rounds, then no call), so its rounds stay stored on
+    both sets of the first slot. Run B's first round is answered with A's stored first round (its
+    ranks find their words missing, and do not vouch), and its second, whose incarnation is the
+    digest of that same round, with A's second: 4 rounds then, all ranks alike; B's sums are its
+    own. Run C, after B's calls overwrote both sets, needs 2."""
+    with SoftwareAggregator() as agg:
+        bound = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
+        addrs = [w.address for w in bound]
+        key = agg.add_job(JOB, N, 0, SLOTS, K, 1, addrs)
+        for w in bound:
+            w.close()
+        for run, (calls, want_rounds) in enumerate(((0, 2), (2, 4), (1, 2))):
+            sessions = _sessions(agg, key, addrs)
+            try:
+
+                def work(r: int, s: Session, run: int = run, calls: int = calls) -> None:
+                    s.open()
+                    for c in range(1, calls + 1):
+                        x = np.full(3 * K, 100 * run + 10 * c + r, np.int32)
+                        s.allreduce(x)
+                        assert (x == N * (100 * run + 10 * c) + N * (N - 1) // 2).all(), (run, c, x[:4])
+
+                _each(sessions, work)
+                assert [s.stats()["hello_rounds"] for s in sessions] == [want_rounds] * N, run
+            finally:
+                for s in sessions:
+                    s.close()

@@ -1151,12 +1151,15 @@ static int open_session(struct sa_worker *w) {
     return SA_CALL_POISONED;
 }
 
+int sa_worker_open_session(struct sa_worker *w) {
+    if (w->opened) return SA_CALL_OK;
+    return open_session(w);
+}
+
 int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
                    float *residual) {
-    if (!w->opened) {
-        int rc = open_session(w);
-        if (rc != SA_CALL_OK) return rc;
-    }
+    int rc = sa_worker_open_session(w);
+    if (rc != SA_CALL_OK) return rc;
     run_t r = {.w = w, .kind = kind, .data = data, .len = len, .tagged = tag != 0, .bits = bits,
                .residual = bits == 32 ? NULL : residual, .inc = w->inc};
     r.lane_flag = bits == 16 ? SA_FLAG_LANE16 : bits == 8 ? SA_FLAG_LANE8 : 0;
@@ -1166,7 +1169,7 @@ int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int a
     w->busy = 1;
     r.number = ++w->call;
     r.call = sa_call_identity(r.number, tag);
-    int rc = run_call(&r, abort);
+    rc = run_call(&r, abort);
     w->busy = 0;
     int err = errno;
     free_run(&r);

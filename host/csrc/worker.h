@@ -103,6 +103,9 @@ int sa_worker_usable(const struct sa_worker *w, char *err, size_t errlen);
  * but SA_CALL_NOMEM the worker is broken, w->why_broken says why (SA_CALL_OSERROR: errno too). */
 int sa_worker_call(struct sa_worker *w, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
                    float *residual);
+/* The session's hello alone, before its first call (which runs it otherwise); a no-op once done. Blocks;
+ * returns an sa_call_result, and breaks the worker as a call does on failure. */
+int sa_worker_open_session(struct sa_worker *w);
 /* The cause of the error a call made now would raise (valid when sa_worker_usable or a call failed). */
 int sa_worker_cause(const struct sa_worker *w);
 /* From any thread: end the call in progress (and refuse every later one) with SA_CALL_CANCELLED and

@@ -367,6 +367,19 @@ class Session:
         """Values one packet carries in lanes of ``bits`` (a call's chunk): K, or more for narrow lanes."""
         return protocol.lanes_per_packet(self.k, bits)
 
+    def open(self) -> Session:
+        """Run the session's hello with every other rank now (docs/PROTOCOL.md, Sessions), on every
+        shard; the first allreduce runs it otherwise. Blocks until every rank has opened, or fails
+        after the timeout (a rank restarted alone cannot rejoin its peers' session). Returns self."""
+        if self._closed:
+            raise _core.SwitchaggError("the session is closed")
+        with self._lock:
+            if self._stripes is None:
+                self._worker.open_session()
+            else:
+                self._stripes.run(lambda s, w: w.open_session())
+        return self
+
     def allreduce(self, tensor: Any, tag: int = 0, bits: int = 32, residual: Any = None) -> None:
         """Sum ``tensor`` over all ranks, in place (float32 within protocol.error_bound, int32 exactly).
 

@@ -57,6 +57,8 @@ static PyObject *class_of(const struct sa_worker *w) {
     return cause_class[cause >= 0 && cause < SA_CAUSES ? cause : SA_CAUSE_ERROR];
 }
 
+static PyObject *raise_failure(Worker *self, int rc);
+
 /* One call with the GIL released; a failure is raised with the engine's reason, as its cause's class. */
 static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort, uint32_t tag, int bits,
                       float *residual) {
@@ -65,6 +67,10 @@ static PyObject *call(Worker *self, char kind, void *data, size_t len, int abort
     rc = sa_worker_call(&self->w, kind, data, len, abort, tag, bits, residual);
     Py_END_ALLOW_THREADS;
     if (rc == SA_CALL_OK || abort) Py_RETURN_NONE; /* an abort always ends in a broken session */
+    return raise_failure(self, rc);
+}
+
+static PyObject *raise_failure(Worker *self, int rc) {
     switch (rc) {
     case SA_CALL_POISONED:  /* a mismatch, or a peer's abort */
     case SA_CALL_TIMEOUT:
@@ -93,6 +99,17 @@ static int get_residual(PyObject *obj, Py_buffer *view, size_t len) {
         return -1;
     }
     return 0;
+}
+
+/* open_session(): the session's hello now (docs/PROTOCOL.md, Sessions), with the GIL released. */
+static PyObject *worker_open_session(Worker *self, PyObject *unused) {
+    if (check_usable(self) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = sa_worker_open_session(&self->w);
+    Py_END_ALLOW_THREADS;
+    if (rc == SA_CALL_OK) Py_RETURN_NONE;
+    return raise_failure(self, rc);
 }
 
 /* allreduce(buffer, kind, tag=0, bits=32, residual=None): sum the buffer over all workers, in place. kind
@@ -210,6 +227,8 @@ static PyMethodDef worker_methods[] = {
      "lanes); residual: float32 of the buffer's length, added first and left holding this rank's rounding error."},
     {"abort", (PyCFunction)worker_abort, METH_VARARGS,
      "abort(total, kind, tag=0, bits=32): give up the next call after a local error; every peer fails that call too."},
+    {"open_session", (PyCFunction)worker_open_session, METH_NOARGS,
+     "Run the session's hello with every other rank now (the first allreduce runs it otherwise)."},
     {"stats", (PyCFunction)worker_stats, METH_NOARGS, "Packet counters of this worker."},
     {"cancel", (PyCFunction)worker_cancel, METH_VARARGS,
      "cancel(reason, cause=SwitchaggError): from any thread, end the call in progress (raising cause with the "

@@ -146,9 +146,10 @@ def _chunks(size: int) -> int:
 def _contributions_per_thread(threads: int, hello_rounds: int) -> list[int]:
     """Each rank contributes once per round; a round lives on slot BASE + chunk % SLOTS, served by
     thread slot % threads. The float32 call adds a PRIME round on each slot it uses, and the
-    session's hello its rounds on slot BASE (docs/PROTOCOL.md, Sessions)."""
+    session's hello its rounds, round k on slot BASE + k (docs/PROTOCOL.md, Sessions)."""
     per = [0] * threads
-    per[BASE % threads] += N * hello_rounds
+    for k in range(hello_rounds):
+        per[(BASE + k % SLOTS) % threads] += N
     for chunks, prime in ((_chunks(INT_SIZE), False), (_chunks(FLOAT_SIZE), True)):
         rounds = list(range(chunks)) + (list(range(min(chunks, SLOTS))) if prime else [])
         for j in rounds:

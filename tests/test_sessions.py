@@ -61,10 +61,11 @@ def start() -> Iterator[sj.Start]:
     "software aggregator: 4 runs of a 2-rank script (a process per rank) one after another on one "
     "switchagg-aggregator --job, each run's first call of the same identity as the run before's last",
     state="nothing: the aggregator serves the next run",
-    recovery="none needed",
+    recovery="none needed: each session's hello",
 )
 def test_every_run_on_a_standing_job_gets_its_own_sums(start: sj.Start, reliability: Reliability) -> None:
-    reliability.record(runs=4, sums=sj.runs_one_after_another(start, N))
+    hellos = sj.Hellos()
+    reliability.record(runs=4, sums=sj.runs_one_after_another(start, N, hellos), recovery=hellos.summary())
 
 
 @pytest.mark.reliability(

@@ -1113,9 +1113,21 @@ static int open_session(struct sa_worker *w) {
         run_t r = {.w = w, .kind = 'i', .data = words, .len = n, .bits = 32, .hello = 1, .inc = inc,
                    .vals = (size_t)w->k, .nb = 1};
         w->stats.hello_rounds++;
+        /* Round k goes to the job's slot (k-1) mod W, seen by the engine as a job of that one slot: a
+         * rank whose rounds an earlier session's stored ones answered at once runs ahead of its peers
+         * by those rounds, and must not overwrite one that a peer has yet to be answered from. */
+        size_t off = (size_t)round % (size_t)w->slot_count;
+        int base = w->slot_base, count = w->slot_count, window = w->window;
+        w->slot_base += (int)off;
+        w->sets += off;
+        w->slot_count = w->window = 1;
         w->busy = 1;
         int rc = run_call(&r, 0);
         w->busy = 0;
+        w->slot_base = base;
+        w->sets -= off;
+        w->slot_count = count;
+        w->window = window;
         int err = errno;
         free_run(&r);
         if (rc != SA_CALL_OK) {
@@ -1133,8 +1145,18 @@ static int open_session(struct sa_worker *w) {
         int fresh = words[w->rank] == mine, all = 1;
         for (size_t i = 0; i < n; i++) all &= (int)(words[i] & 1u);
         if (fresh && all) {
+            /* Every rank is past the rounds before this one: the session's first call overwrites them
+             * (the slots they used start again on the set they began on, 0, except this round's, whose
+             * stored result a rank that lost it may still ask for). Else the next session's first round
+             * would find this one's stored, and follow this session's rounds, one more each time. */
+            size_t used = (size_t)round < (size_t)w->slot_count ? (size_t)round : (size_t)w->slot_count;
+            for (size_t x = 0; x < used; x++)
+                if (x != off) w->sets[x] = 0;
             w->inc = sa_hello_digest(words, n, 's');
             w->opened = 1;
+            /* A one-packet round trip says nothing of how long a call's window waits in a slow link's
+             * queue: the first call starts, as without a hello, from the initial timeout. */
+            w->srtt_ns = w->rttvar_ns = 0;
             w->stats.hello_ns += sa_now_ns() - t0;
             free(words);
             return SA_CALL_OK;

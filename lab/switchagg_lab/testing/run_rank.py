@@ -5,7 +5,8 @@ AGG_IP:AGG_PORT BIND_IP:BIND_PORT KEY BASE [--calls C] [--size S] [--slots W] [-
 Rank r of call c (1, 2, ...) contributes ``BASE * c + r`` in every element, so the exact sum is
 ``N * BASE * c + N * (N - 1) / 2``, different for every call and every BASE (a run): each call prints
 one JSON line ``{"call": c, "sum": v, "exact": bool}`` (``v``: element 0; ``exact``: every element
-is the exact sum), and a failure one line ``{"error": class, "message": ...}`` and exit status 3.
+is the exact sum), after a first line ``{"hello_rounds": r, "hello_ms": t}`` once the session opened;
+a failure one line ``{"error": class, "message": ...}`` and exit status 3.
 The sums are checked by the reader (tests/test_sessions.py, bmv2_tests), not trusted to this script.
 """
 
@@ -47,6 +48,9 @@ def main() -> int:
             a.job, a.rank, n, aggregator=a.aggregator, slot_base=a.slot_base, slot_count=a.slots, k=a.k,
             timeout=a.timeout, bind=a.bind, key=a.key,
         ) as s:  # fmt: skip
+            s.open()  # the session's hello (docs/PROTOCOL.md, Sessions): what it cost
+            stats = s.stats()
+            print(json.dumps({"hello_rounds": stats["hello_rounds"], "hello_ms": stats["hello_ns"] / 1e6}), flush=True)
             for c in range(1, a.calls + 1):
                 x = np.full(a.size, a.base * c + a.rank, dtype=np.int32)
                 s.allreduce(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -36,15 +37,39 @@ def exact_sum(n: int, base: int, call: int) -> int:
     return n * base * call + n * (n - 1) // 2
 
 
-def finish(proc: subprocess.Popen[str]) -> tuple[int, list[dict[str, Any]]]:
-    """Its exit status and its JSON lines (one per call, or the error)."""
+class Hellos:
+    """What the runs' hellos cost: each rank's rounds and milliseconds."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+        self.ms: list[float] = []
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.rounds.append(int(line["hello_rounds"]))
+        self.ms.append(float(line["hello_ms"]))
+
+    def summary(self) -> str:
+        if not self.ms:
+            return "no hello"
+        rounds = "/".join(str(r) for r in sorted(set(self.rounds)))
+        return f"each session's hello: {rounds} rounds, median {statistics.median(self.ms):.1f} ms"
+
+
+def finish(proc: subprocess.Popen[str], hellos: Hellos | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Its exit status and its JSON lines (one per call, or the error), the hello's line taken out
+    (into ``hellos``)."""
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode in (0, 3), f"exit {proc.returncode}: {err[-2000:]}"
-    return proc.returncode, [json.loads(line) for line in out.splitlines() if line.strip()]
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    if lines and "hello_rounds" in lines[0]:
+        if hellos is not None:
+            hellos.add(lines[0])
+        lines = lines[1:]
+    return proc.returncode, lines
 
 
 def _lines_until(proc: subprocess.Popen[str], calls: int) -> list[dict[str, Any]]:
-    """proc's lines until it reported call ``calls`` (bounded: it fails past WAIT_S)."""
+    """proc's call lines until it reported call ``calls`` (bounded: it fails past WAIT_S)."""
     assert proc.stdout is not None
     deadline, seen = time.monotonic() + WAIT_S, []
     while not seen or seen[-1].get("call", 0) < calls:
@@ -52,23 +77,23 @@ def _lines_until(proc: subprocess.Popen[str], calls: int) -> list[dict[str, Any]
         line = proc.stdout.readline()
         assert line, f"the rank ended early: {seen[-1:]}"
         seen.append(json.loads(line))
-    return seen
+    return [line for line in seen if "hello_rounds" not in line]
 
 
-def run_exact(start: Start, n: int, base: int, calls: int) -> int:
+def run_exact(start: Start, n: int, base: int, calls: int, hellos: Hellos | None = None) -> int:
     """One run of every rank; asserts every rank printed every call's exact sum. Returns the sums."""
     procs = [start(r, base, calls, 10.0) for r in range(n)]
     for r, proc in enumerate(procs):
-        rc, lines = finish(proc)
+        rc, lines = finish(proc, hellos)
         want = [{"call": c, "sum": exact_sum(n, base, c), "exact": True} for c in range(1, calls + 1)]
         assert rc == 0 and lines == want, f"run of base {base}, rank {r}: {lines}"
     return n * calls
 
 
-def runs_one_after_another(start: Start, n: int) -> int:
+def runs_one_after_another(start: Start, n: int, hellos: Hellos | None = None) -> int:
     """The issue's script, 4 runs of one int32 allreduce: each run's first call has the identity of the
     last round of the run before (call 1, set 0, offset 0, the same length); each gets its own sum."""
-    return sum(run_exact(start, n, base, 1) for base in (100, 1000, 100, 7))
+    return sum(run_exact(start, n, base, 1, hellos) for base in (100, 1000, 100, 7))
 
 
 def killed_mid_call_then_a_new_run(start: Start, n: int) -> int:

@@ -20,7 +20,7 @@ import pytest
 from switchagg import Session, _core, protocol
 from switchagg.aggregator import SoftwareAggregator, new_key
 from switchagg.protocol import MSG_RESULT, Header
-from switchagg_lab.testing.checks import float_bound
+from switchagg_lab.testing.checks import float_bound, hello_slots
 from switchagg_lab.testing.kit import (
     allreduce_all,  # noqa: E402
     wait_until,
@@ -146,10 +146,10 @@ def _chunks(size: int) -> int:
 def _contributions_per_thread(threads: int, hello_rounds: int) -> list[int]:
     """Each rank contributes once per round; a round lives on slot BASE + chunk % SLOTS, served by
     thread slot % threads. The float32 call adds a PRIME round on each slot it uses, and the
-    session's hello its rounds, round k on slot BASE + k (docs/PROTOCOL.md, Sessions)."""
+    session's hello its rounds (docs/PROTOCOL.md, Sessions)."""
     per = [0] * threads
-    for k in range(hello_rounds):
-        per[(BASE + k % SLOTS) % threads] += N
+    for offset in hello_slots(hello_rounds, SLOTS):
+        per[(BASE + offset) % threads] += N
     for chunks, prime in ((_chunks(INT_SIZE), False), (_chunks(FLOAT_SIZE), True)):
         rounds = list(range(chunks)) + (list(range(min(chunks, SLOTS))) if prime else [])
         for j in rounds:

@@ -645,7 +645,9 @@ class FakeAggregator:
         correct = self.answer(pkt)
         rid = (h["call"], h["offset"], h["flags"] & FLAG_PRIME, h["key"])  # hello rounds differ in key
         specs: list[Spec] = []
-        if rid not in self.seen:  # a retransmission is answered again, plainly
+        if rid not in self.seen and h["flags"] & FLAG_HELLO:  # the session's hello: answered plainly
+            self.seen.add(rid)
+        elif rid not in self.seen:  # a retransmission is answered again, plainly
             self.seen.add(rid)
             specs = self.plan[(len(self.seen) - 1) % len(self.plan)]
         last = len(self.seen) == self.rounds  # nothing after the last answer: the worker is done
@@ -689,7 +691,7 @@ def worker_example(
     chunks = [(length + K_W - 1) // K_W for length in lengths]
     # float32: each slot's first round carries only exponents (later ones ride on the data rounds)
     rounds = sum(c + (min(c, SLOTS) if kind == "f" else 0) for c in chunks)
-    rounds += 2  # the session's hello: a first round, then one that every rank vouches for
+    rounds += 3  # the session's hello: a first round, one that every rank vouches for, the session's own
     rng = np.random.default_rng(seed)
     with FakeAggregator(kind, n, plan, rounds) as fake:
         with Session(JOB, 0, n, fake.address, SLOT_BASE, SLOTS, K_W, timeout=WAIT_S, rto=0.5, key=KEY_W) as s:

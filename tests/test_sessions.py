@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from switchagg import Session, _core
+from switchagg import Session, _core, protocol
 from switchagg.aggregator import SoftwareAggregator, new_key
 from switchagg_lab.testing import standing_job as sj
 from switchagg_lab.testing.kit import free_ports
@@ -89,6 +90,38 @@ def test_a_rank_restarted_alone_fails_every_rank(start: sj.Start, reliability: R
     reliability.record(sums=sums, recovery_s=round(elapsed, 1))
 
 
+def _hello_packet(rank: int, words: list[int], inc: int, slot: int) -> bytes:
+    """Rank ``rank``'s packet of a hello round (docs/PROTOCOL.md, Sessions) on ``slot``, set 0."""
+    payload = [0] * K
+    payload[rank] = words[rank] - 2**32 if words[rank] >= 2**31 else words[rank]
+    flags = protocol.FLAG_HELLO
+    return protocol.Header(job=JOB, rank=rank, slot=slot, flags=flags, call=0, total=N, key=inc, values=payload).pack()
+
+
+def _leave_hello_rounds(agg_address: tuple[str, int], addrs: list[tuple[str, int]], rounds: int, last_from: int) -> None:
+    """Plays an earlier session killed in its hello: its ranks' first ``rounds`` rounds, each on its
+    slot, in the incarnation the protocol gives it; the last one sent by ranks ``0..last_from-1``
+    only (N: complete)."""
+    inc = 0
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in addrs]
+    try:
+        for sock, a in zip(socks, addrs, strict=True):
+            sock.bind(a)
+            sock.settimeout(5)
+        for k in range(rounds):
+            words = [0x10000 * (k + 1) + 2 * r + 2 for r in range(N)]  # no vouch: they are stale-able
+            senders = range(N) if k < rounds - 1 else range(last_from)
+            for r in senders:
+                socks[r].sendto(_hello_packet(r, words, inc, k), agg_address)
+            if len(senders) == N:
+                for sock in socks:  # the round completed: its result reaches every rank
+                    sock.recvfrom(65536)
+            inc = _core.hello_digest(words, "h")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _sessions(agg: SoftwareAggregator, key: int, addrs: list[tuple[str, int]]) -> list[Session]:
     """Each rank's session of one run, on sockets bound anew at the job's addresses (as a run's
     processes bind them)."""
@@ -98,37 +131,51 @@ def _sessions(agg: SoftwareAggregator, key: int, addrs: list[tuple[str, int]]) -
     ]
 
 
-def _each(sessions: list[Session], what: Callable[[int, Session], None]) -> None:
+def _open_and_sum(sessions: list[Session], run: int, calls: int) -> list[int]:
+    """Every rank opens its session and makes ``calls`` int32 calls of 3 packets, checked exact;
+    returns each rank's hello rounds."""
+
+    def work(r: int, s: Session) -> None:
+        s.open()
+        for c in range(1, calls + 1):
+            x = np.full(3 * K, 100 * run + 10 * c + r, np.int32)
+            s.allreduce(x)
+            assert (x == N * (100 * run + 10 * c) + N * (N - 1) // 2).all(), (run, c, x[:4])
+
     with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
-        for f in [pool.submit(what, r, s) for r, s in enumerate(sessions)]:
+        for f in [pool.submit(work, r, s) for r, s in enumerate(sessions)]:
             f.result(timeout=sj.WAIT_S)
+    return [s.stats()["hello_rounds"] for s in sessions]
 
 
-def test_a_hello_that_meets_an_earlier_sessions_hello_goes_on_until_every_rank_vouches() -> None:
-    """Run A only opens its sessions (two hello rounds, then no call), so its rounds stay stored on
-    both sets of the first slot. Run B's first round is answered with A's stored first round (its
-    ranks find their words missing, and do not vouch), and its second, whose incarnation is the
-    digest of that same round, with A's second: 4 rounds then, all ranks alike; B's sums are its
-    own. Run C, after B's calls overwrote both sets, needs 2."""
+@pytest.mark.parametrize(
+    ("left", "last_from", "rounds"),
+    [
+        (0, 0, 3),  # nothing left: 2 rounds and the one that overwrites the first
+        (1, 1, 4),  # a first round of rank 0 alone: joined, so mixed; rank 0 does not vouch
+        (1, N, 4),  # a whole first round: stored, every rank finds its own word missing
+        (2, N, 5),  # two whole rounds: the second's incarnation is the digest of the first, stored too
+        (2, 1, 5),  # a whole first round and half a second one
+    ],
+)
+def test_a_hello_that_meets_an_earlier_sessions_rounds_opens_a_session_of_its_own(
+    left: int, last_from: int, rounds: int
+) -> None:
+    """An earlier session killed in its hello left ``left`` rounds on the job's slots (the last one from
+    ranks 0..last_from-1): the next run's ranks take as many rounds as those and 2 more (and the one
+    that overwrites the first), all alike, and their sums are their own. The run after needs 3 again,
+    as does one after a run that opened its sessions and made no call."""
     with SoftwareAggregator() as agg:
         bound = [_core.Worker("127.0.0.1", 0) for _ in range(N)]
         addrs = [w.address for w in bound]
         key = agg.add_job(JOB, N, 0, SLOTS, K, 1, addrs)
         for w in bound:
             w.close()
-        for run, (calls, want_rounds) in enumerate(((0, 2), (2, 4), (1, 2))):
+        _leave_hello_rounds(agg.address, addrs, left, last_from)
+        for run, (calls, want) in enumerate(((1, rounds), (0, 3), (2, 3))):
             sessions = _sessions(agg, key, addrs)
             try:
-
-                def work(r: int, s: Session, run: int = run, calls: int = calls) -> None:
-                    s.open()
-                    for c in range(1, calls + 1):
-                        x = np.full(3 * K, 100 * run + 10 * c + r, np.int32)
-                        s.allreduce(x)
-                        assert (x == N * (100 * run + 10 * c) + N * (N - 1) // 2).all(), (run, c, x[:4])
-
-                _each(sessions, work)
-                assert [s.stats()["hello_rounds"] for s in sessions] == [want_rounds] * N, run
+                assert _open_and_sum(sessions, run, calls) == [want] * N, run
             finally:
                 for s in sessions:
                     s.close()

@@ -675,7 +675,11 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     /* Only the job's aggregator knows the key, and it answers a session with key ^ incarnation: never use
      * this payload (a result of another session's round included) */
     if (ntohl(h->key) != (w->key ^ r->inc)) {
-        w->stats.bad_key++;
+        /* in a hello, a late answer to its round before carries that round's incarnation: stale */
+        if (r->hello)
+            w->stats.stale++;
+        else
+            w->stats.bad_key++;
         return -1;
     }
     uint16_t pool = ntohs(h->pool);
@@ -1091,6 +1095,37 @@ uint32_t sa_hello_digest(const uint32_t *words, size_t n, char domain) {
     return h ? h : 1u;
 }
 
+/* One hello round of `words` (n int32, summed in place) in incarnation `inc`, on the job's slot `off`,
+ * which the engine sees as a job of that one slot. A failure breaks the worker, saying it was the hello. */
+static int hello_round(struct sa_worker *w, uint32_t *words, uint32_t inc, size_t off) {
+    run_t r = {.w = w, .kind = 'i', .data = words, .len = (size_t)w->n, .bits = 32, .hello = 1, .inc = inc,
+               .vals = (size_t)w->k, .nb = 1};
+    w->stats.hello_rounds++;
+    int base = w->slot_base, count = w->slot_count, window = w->window;
+    w->slot_base += (int)off;
+    w->sets += off;
+    w->slot_count = w->window = 1;
+    w->busy = 1;
+    int rc = run_call(&r, 0);
+    w->busy = 0;
+    w->slot_base = base;
+    w->sets -= off;
+    w->slot_count = count;
+    w->window = window;
+    int err = errno;
+    free_run(&r);
+    if (rc == SA_CALL_OK) return rc;
+    note_failure(w, &r, rc, err);
+    if (rc == SA_CALL_POISONED) { /* say it was the hello, not a call */
+        static const char pre[] = "opening the session failed: ";
+        size_t len = strnlen(w->why_broken, sizeof w->why_broken - sizeof pre);
+        memmove(w->why_broken + sizeof pre - 1, w->why_broken, len);
+        memcpy(w->why_broken, pre, sizeof pre - 1);
+        w->why_broken[sizeof pre - 1 + len] = '\0';
+    }
+    return rc;
+}
+
 /* The session's hello (docs/PROTOCOL.md, Sessions): rounds of one int32 word per rank, a fresh random
  * word each, whose low bit vouches that this rank found its own word in the round before. A round's
  * incarnation is a digest of the round before (0 for the first), so rounds of an earlier session can
@@ -1110,55 +1145,35 @@ static int open_session(struct sa_worker *w) {
         if ((mine & ~1u) == 0) mine |= 2u;
         memset(words, 0, n * sizeof *words);
         words[w->rank] = mine;
-        run_t r = {.w = w, .kind = 'i', .data = words, .len = n, .bits = 32, .hello = 1, .inc = inc,
-                   .vals = (size_t)w->k, .nb = 1};
-        w->stats.hello_rounds++;
-        /* Round k goes to the job's slot (k-1) mod W, seen by the engine as a job of that one slot: a
-         * rank whose rounds an earlier session's stored ones answered at once runs ahead of its peers
-         * by those rounds, and must not overwrite one that a peer has yet to be answered from. */
+        /* Round k on the job's slot (k-1) mod W: a rank whose rounds an earlier session's stored ones
+         * answered at once runs ahead of its peers by those rounds, and must not overwrite one that a
+         * peer has yet to be answered from. */
         size_t off = (size_t)round % (size_t)w->slot_count;
-        int base = w->slot_base, count = w->slot_count, window = w->window;
-        w->slot_base += (int)off;
-        w->sets += off;
-        w->slot_count = w->window = 1;
-        w->busy = 1;
-        int rc = run_call(&r, 0);
-        w->busy = 0;
-        w->slot_base = base;
-        w->sets -= off;
-        w->slot_count = count;
-        w->window = window;
-        int err = errno;
-        free_run(&r);
+        int rc = hello_round(w, words, inc, off);
         if (rc != SA_CALL_OK) {
             free(words);
-            note_failure(w, &r, rc, err);
-            if (rc == SA_CALL_POISONED) { /* say it was the hello, not a call */
-                static const char pre[] = "opening the session failed: ";
-                size_t len = strnlen(w->why_broken, sizeof w->why_broken - sizeof pre);
-                memmove(w->why_broken + sizeof pre - 1, w->why_broken, len);
-                memcpy(w->why_broken, pre, sizeof pre - 1);
-                w->why_broken[sizeof pre - 1 + len] = '\0';
-            }
             return rc;
         }
         int fresh = words[w->rank] == mine, all = 1;
         for (size_t i = 0; i < n; i++) all &= (int)(words[i] & 1u);
         if (fresh && all) {
-            /* Every rank is past the rounds before this one: the session's first call overwrites them
-             * (the slots they used start again on the set they began on, 0, except this round's, whose
-             * stored result a rank that lost it may still ask for). Else the next session's first round
-             * would find this one's stored, and follow this session's rounds, one more each time. */
+            /* Every rank is past the rounds before this one: their slots start again on set 0, and a
+             * last round in the session's own incarnation overwrites the first (on the first slot), so
+             * that the next session's first round is fresh, not this one's stored first round (which it
+             * would follow, one round more with each session). */
             size_t used = (size_t)round < (size_t)w->slot_count ? (size_t)round : (size_t)w->slot_count;
             for (size_t x = 0; x < used; x++)
                 if (x != off) w->sets[x] = 0;
             w->inc = sa_hello_digest(words, n, 's');
+            memset(words, 0, n * sizeof *words);
+            rc = hello_round(w, words, w->inc, 0);
+            free(words);
+            if (rc != SA_CALL_OK) return rc;
             w->opened = 1;
             /* A one-packet round trip says nothing of how long a call's window waits in a slow link's
              * queue: the first call starts, as without a hello, from the initial timeout. */
             w->srtt_ns = w->rttvar_ns = 0;
             w->stats.hello_ns += sa_now_ns() - t0;
-            free(words);
             return SA_CALL_OK;
         }
         vouch = (uint32_t)fresh;

@@ -1,5 +1,6 @@
 /* switchagg._core: the per-packet work of switchagg (the engines in host/csrc), bound to Python. */
 #include "bindings.h"
+#include "../worker.h"
 
 static PyObject *constants(PyObject *self, PyObject *unused) {
     /* Exposed so that tests can compare the C constants with protocol.py. */
@@ -19,8 +20,35 @@ static PyObject *constants(PyObject *self, PyObject *unused) {
         "DROP_NREASONS", SA_DROP_NREASONS);
 }
 
+/* hello_digest(words, domain): sa_hello_digest of a hello round's words (a sequence of uint32), domain 'h'
+ * (the next round's incarnation) or 's' (the session's); for tests that play an earlier session. */
+static PyObject *hello_digest(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    int domain;
+    if (!PyArg_ParseTuple(args, "OC", &seq, &domain)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "words must be a sequence of uint32");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint32_t *words = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *words);
+    if (words == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLongMask(PySequence_Fast_GET_ITEM(fast, i));
+        if (PyErr_Occurred()) break;
+        words[i] = (uint32_t)v;
+    }
+    Py_DECREF(fast);
+    uint32_t d = sa_hello_digest(words, (size_t)n, (char)domain);
+    PyMem_Free(words);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLong(d);
+}
+
 static PyMethodDef methods[] = {
     {"constants", constants, METH_NOARGS, "The protocol constants compiled into the C code."},
+    {"hello_digest", hello_digest, METH_VARARGS, "sa_hello_digest(words, domain): a hello round's digest."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -232,14 +232,15 @@ static void test_job(void) {
     CHECK(wrong_float == 0, "%d float32 elements off the bound (worst %.3g of it)", wrong_float, worst);
 
     /* Every contribution is aggregated once: the sessions' hello rounds (round k on slot BASE + k, the
-     * same rounds at every rank), the int32 call's chunks, the float32 call's chunks and its PRIME round
+     * last on BASE; the same rounds at every rank), the int32 call's chunks, the float32 call's chunks and its PRIME round
      * on each slot it used. Resends (if any) count elsewhere. */
     int ci = (INTS + K - 1) / K, cf = (FLOATS + K - 1) / K;
     uint64_t per_thread[2] = {0, 0};
     for (int r = 1; r < N; r++)
         CHECK(ranks[r].w.stats.hello_rounds == ranks[0].w.stats.hello_rounds, "rank %d saw other hello rounds", r);
     CHECK(ranks[0].w.stats.hello_rounds >= 2, "a hello of %llu rounds", ranks[0].w.stats.hello_rounds);
-    for (unsigned long long k = 0; k < ranks[0].w.stats.hello_rounds; k++) per_thread[(BASE + k % SLOTS) % 2] += N;
+    for (unsigned long long k = 0; k + 1 < ranks[0].w.stats.hello_rounds; k++) per_thread[(BASE + k % SLOTS) % 2] += N;
+    per_thread[BASE % 2] += N; /* the last round, in the session's incarnation, on the first slot */
     for (int j = 0; j < ci; j++) per_thread[(BASE + j % SLOTS) % 2] += N;
     for (int j = 0; j < cf; j++) per_thread[(BASE + j % SLOTS) % 2] += N;
     for (int j = 0; j < (cf < SLOTS ? cf : SLOTS); j++) per_thread[(BASE + j % SLOTS) % 2] += N;

@@ -90,3 +90,9 @@ def hello_rounds(stats: Sequence[Mapping[str, int]]) -> int:
     rounds = {s["hello_rounds"] for s in stats}
     assert len(rounds) == 1, f"the ranks' hellos differ: {rounds}"
     return rounds.pop()
+
+
+def hello_slots(rounds: int, slot_count: int) -> list[int]:
+    """The job's slot (offset from its base) of each of a hello's ``rounds`` rounds: round k on k mod W,
+    then the last, in the session's own incarnation, on the first slot (docs/PROTOCOL.md, Sessions)."""
+    return [k % slot_count for k in range(rounds - 1)] + [0]

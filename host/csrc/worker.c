@@ -191,6 +191,7 @@ typedef struct {
     int bits;        /* lane width on the wire: 32, or 16/8 for a float call in narrow lanes */
     int hello;       /* a round of the session's hello: int32, call 0, flag HELLO */
     uint32_t inc;    /* the incarnation its packets carry (the session's, or the hello round's) */
+    uint32_t prev_inc; /* a hello round: the incarnation of the round before it */
     uint8_t lane_flag;
     size_t vals;     /* values per packet: K for 32-bit lanes, protocol.lanes_per_packet for narrow */
     size_t xwords;   /* narrow: leading payload words of scale bytes */
@@ -676,7 +677,7 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
      * this payload (a result of another session's round included) */
     if (ntohl(h->key) != (w->key ^ r->inc)) {
         /* in a hello, a late answer to its round before carries that round's incarnation: stale */
-        if (r->hello)
+        if (r->hello && ntohl(h->key) == (w->key ^ r->prev_inc))
             w->stats.stale++;
         else
             w->stats.bad_key++;
@@ -1097,9 +1098,9 @@ uint32_t sa_hello_digest(const uint32_t *words, size_t n, char domain) {
 
 /* One hello round of `words` (n int32, summed in place) in incarnation `inc`, on the job's slot `off`,
  * which the engine sees as a job of that one slot. A failure breaks the worker, saying it was the hello. */
-static int hello_round(struct sa_worker *w, uint32_t *words, uint32_t inc, size_t off) {
+static int hello_round(struct sa_worker *w, uint32_t *words, uint32_t inc, uint32_t prev_inc, size_t off) {
     run_t r = {.w = w, .kind = 'i', .data = words, .len = (size_t)w->n, .bits = 32, .hello = 1, .inc = inc,
-               .vals = (size_t)w->k, .nb = 1};
+               .prev_inc = prev_inc, .vals = (size_t)w->k, .nb = 1};
     w->stats.hello_rounds++;
     int base = w->slot_base, count = w->slot_count, window = w->window;
     w->slot_base += (int)off;
@@ -1137,7 +1138,7 @@ static int open_session(struct sa_worker *w) {
     size_t n = (size_t)w->n;
     uint32_t *words = calloc(n, sizeof *words);
     if (words == NULL) return SA_CALL_NOMEM;
-    uint32_t inc = 0, vouch = 0;
+    uint32_t inc = 0, prev = 0, vouch = 0;
     for (int round = 0; round < SA_HELLO_PHASES; round++) {
         uint32_t mine = 0;
         if (getrandom(&mine, sizeof mine, 0) != (ssize_t)sizeof mine) mine = (uint32_t)sa_now_ns() * 0x9e3779b1u;
@@ -1149,7 +1150,7 @@ static int open_session(struct sa_worker *w) {
          * answered at once runs ahead of its peers by those rounds, and must not overwrite one that a
          * peer has yet to be answered from. */
         size_t off = (size_t)round % (size_t)w->slot_count;
-        int rc = hello_round(w, words, inc, off);
+        int rc = hello_round(w, words, inc, prev, off);
         if (rc != SA_CALL_OK) {
             free(words);
             return rc;
@@ -1166,7 +1167,7 @@ static int open_session(struct sa_worker *w) {
                 if (x != off) w->sets[x] = 0;
             w->inc = sa_hello_digest(words, n, 's');
             memset(words, 0, n * sizeof *words);
-            rc = hello_round(w, words, w->inc, 0);
+            rc = hello_round(w, words, w->inc, inc, 0);
             free(words);
             if (rc != SA_CALL_OK) return rc;
             w->opened = 1;
@@ -1177,6 +1178,7 @@ static int open_session(struct sa_worker *w) {
             return SA_CALL_OK;
         }
         vouch = (uint32_t)fresh;
+        prev = inc;
         inc = sa_hello_digest(words, n, 'h');
     }
     free(words);

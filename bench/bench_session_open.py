@@ -21,7 +21,9 @@ from switchagg import Session, _core
 from switchagg.aggregator import SoftwareAggregator
 
 
-def one_open(agg: SoftwareAggregator, key: int, workers: list[_core.Worker], k: int) -> tuple[float, float, int]:
+def one_open(
+    agg: SoftwareAggregator, key: int, workers: list[_core.Worker], k: int
+) -> tuple[float, float, int]:
     """Every rank opens a session on the standing job and makes two one-packet calls; returns the
     slowest rank's hello seconds, the slowest rank's second call's seconds and the hello's rounds."""
     n = len(workers)
@@ -81,7 +83,9 @@ def main() -> None:
     print(f"{'n':>3} {'hello rounds':>12} {'hello ms':>9} {'1-packet call ms':>17} {'hello / call':>12}")
     for r in rows:
         rounds = ",".join(map(str, r["hello_rounds"]))
-        print(f"{r['n']:>3} {rounds:>12} {r['hello_ms_median']:>9} {r['call_ms_median']:>17} {r['ratio']:>12}")
+        print(
+            f"{r['n']:>3} {rounds:>12} {r['hello_ms_median']:>9} {r['call_ms_median']:>17} {r['ratio']:>12}"
+        )
     a.out.write_text(json.dumps({"k": a.k, "rows": rows}, indent=1) + "\n")
 
 

@@ -11,8 +11,8 @@ from switchagg import protocol
 from switchagg_controller import p4_program
 from switchagg_lab.bmv2.frames import counters, delta
 from switchagg_lab.bmv2.run import check_results, finish, start_job
-from switchagg_lab.testing.checks import hello_rounds
 from switchagg_lab.bmv2.switch_jobs import make_job
+from switchagg_lab.testing.checks import hello_rounds
 
 TENSORS = [("int32", 4096), ("int32", 1000), ("float32", 2048)]
 

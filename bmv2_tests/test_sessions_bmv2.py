@@ -30,10 +30,9 @@ def start(bed: Any, switch: Any) -> Iterator[sj.Start]:
 
     def start_rank(rank: int, base: int, calls: int, timeout: float) -> subprocess.Popen[str]:
         w, e = job.workers[rank], eps[rank]
-        argv = sj.rank_argv(
-            job.job_id, rank, N, (AGG_IP, protocol.UDP_PORT), (e.ip, w.udp_port), job.key, base, calls, timeout,
-            job.slot_base, job.slot_count, protocol.P4_K,
-        )  # fmt: skip
+        agg, bind = (AGG_IP, protocol.UDP_PORT), (e.ip, w.udp_port)
+        slots = (job.slot_base, job.slot_count, protocol.P4_K)
+        argv = sj.rank_argv(job.job_id, rank, N, agg, bind, job.key, base, calls, timeout, *slots)
         return e.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     yield start_rank

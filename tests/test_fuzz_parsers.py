@@ -43,9 +43,9 @@ from switchagg.protocol import (
     DROP_REASONS,
     FLAG_ABORT,
     FLAG_FLOAT,
+    FLAG_HELLO,
     FLAG_LANE8,
     FLAG_MISMATCH,
-    FLAG_HELLO,
     FLAG_PRIME,
     HEADER_FORMAT,
     HEADER_LEN,
@@ -585,7 +585,7 @@ class FakeAggregator:
         self.sock = udp()
         self.sock.settimeout(0.05)
         self.kind, self.n, self.plan, self.rounds = kind, n, plan, rounds
-        self.seen: set[tuple[int, int, int]] = set()
+        self.seen: set[tuple[int, int, int, int]] = set()
         self.history: list[bytes] = []
         self.fuzzed = self.bad_key = 0
         self.error: BaseException | None = None

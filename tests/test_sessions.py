@@ -10,7 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,13 +38,15 @@ def start() -> Iterator[sj.Start]:
     cmd += ["--job", f"{JOB}:{N}:0:{SLOTS}:{K}:1:{key}@{addrs}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         first = proc.stdout.readline()  # it says where it listens as soon as it does, or exits
         assert first.startswith("switchagg-aggregator listening on 127.0.0.1:"), first + proc.stderr.read()
         agg = ("127.0.0.1", int(first.split("127.0.0.1:")[1].split(";")[0]))
 
         def start_rank(rank: int, base: int, calls: int, timeout: float) -> subprocess.Popen[str]:
-            argv = sj.rank_argv(JOB, rank, N, agg, ("127.0.0.1", ports[rank]), key, base, calls, timeout, 0, SLOTS, K)
+            argv = sj.rank_argv(
+                JOB, rank, N, agg, ("127.0.0.1", ports[rank]), key, base, calls, timeout, 0, SLOTS, K
+            )
             return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         yield start_rank
@@ -95,10 +97,14 @@ def _hello_packet(rank: int, words: list[int], inc: int, slot: int) -> bytes:
     payload = [0] * K
     payload[rank] = words[rank] - 2**32 if words[rank] >= 2**31 else words[rank]
     flags = protocol.FLAG_HELLO
-    return protocol.Header(job=JOB, rank=rank, slot=slot, flags=flags, call=0, total=N, key=inc, values=payload).pack()
+    return protocol.Header(
+        job=JOB, rank=rank, slot=slot, flags=flags, call=0, total=N, key=inc, values=payload
+    ).pack()
 
 
-def _leave_hello_rounds(agg_address: tuple[str, int], addrs: list[tuple[str, int]], rounds: int, last_from: int) -> None:
+def _leave_hello_rounds(
+    agg_address: tuple[str, int], addrs: list[tuple[str, int]], rounds: int, last_from: int
+) -> None:
     """Plays an earlier session killed in its hello: its ranks' first ``rounds`` rounds, each on its
     slot, in the incarnation the protocol gives it; the last one sent by ranks ``0..last_from-1``
     only (N: complete)."""

@@ -93,7 +93,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 report["ok" if exact else "wrong"] += 1
                 report.update(int_sum=int(x.astype(np.int64).sum()), int_head=x[:4].tolist())
                 if cfg.get("stdin"):
-                    print(json.dumps({"sum": int(x[0]), "hello_rounds": s.stats()["hello_rounds"]}), flush=True)
+                    print(
+                        json.dumps({"sum": int(x[0]), "hello_rounds": s.stats()["hello_rounds"]}), flush=True
+                    )
                 if progress is not None:
                     progress.write_text(str(it + 1))
             if cfg.get("float_round"):

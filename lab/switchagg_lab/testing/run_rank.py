@@ -50,7 +50,10 @@ def main() -> int:
         ) as s:  # fmt: skip
             s.open()  # the session's hello (docs/PROTOCOL.md, Sessions): what it cost
             stats = s.stats()
-            print(json.dumps({"hello_rounds": stats["hello_rounds"], "hello_ms": stats["hello_ns"] / 1e6}), flush=True)
+            print(
+                json.dumps({"hello_rounds": stats["hello_rounds"], "hello_ms": stats["hello_ns"] / 1e6}),
+                flush=True,
+            )
             for c in range(1, a.calls + 1):
                 x = np.full(a.size, a.base * c + a.rank, dtype=np.int32)
                 s.allreduce(x)

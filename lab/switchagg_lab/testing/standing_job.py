@@ -71,7 +71,7 @@ def finish(proc: subprocess.Popen[str], hellos: Hellos | None = None) -> tuple[i
 def _lines_until(proc: subprocess.Popen[str], calls: int) -> list[dict[str, Any]]:
     """proc's call lines until it reported call ``calls`` (bounded: it fails past WAIT_S)."""
     assert proc.stdout is not None
-    deadline, seen = time.monotonic() + WAIT_S, []
+    deadline, seen = time.monotonic() + WAIT_S, list[dict[str, Any]]()
     while not seen or seen[-1].get("call", 0) < calls:
         assert time.monotonic() < deadline, "no progress in time"
         line = proc.stdout.readline()

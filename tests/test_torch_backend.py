@@ -616,3 +616,22 @@ def test_more_shards_than_ranks_is_refused(tmp_path: Path) -> None:
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
         r = read(tmp_path, rank)
         assert r["error"] == "ValueError" and "SWITCHAGG_SHARDS='3' must be within [0, 2]" in r["message"], r
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_comm_hooks_run_on_the_switchagg_group(tmp_path: Path, n: int) -> None:
+    """torch's own DDP comm hooks on a switchagg group (several buckets): allreduce, fp16_compress and
+    PowerSGD (ranks 1, 2, 4; warm start and not; error feedback and not), whose callbacks make more
+    collectives and wait for them, run and match the same hooks on gloo; so does a future callback that
+    waits for a second collective (issue 43: it hung on the thread that had to complete it)."""
+    for rank, (code, err) in enumerate(finish(launch("hooks", n, tmp_path))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    hooks = ("allreduce", "fp16_compress", "powersgd_rank1", "powersgd_rank2_cold", "powersgd_rank4_no_feedback")
+    for r in [read(tmp_path, rank) for rank in range(n)]:
+        assert r["nested"] == [sum(range(1, n + 1))] * 2
+        for name in hooks:
+            got = r[name]
+            assert got["replicas_equal"], name
+            # float32 through the network, fp16 on both: the same training within a small relative error
+            assert got["max_diff"] <= 1e-3 * max(1.0, got["scale"]), (name, got)
+        assert r["stats"]["network"]["allreduce"] > 0

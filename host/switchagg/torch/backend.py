@@ -101,6 +101,12 @@ class Network:
         self._plane.session.torch_calls = self.calls
         self._stager = Stager(self._plane.lanes.allreduce_async, self._plane.lanes.values_per_packet)
         self._watch.start()
+        # Works complete on a thread of their own, in call order, not on the data plane's: a Work's
+        # future runs its callbacks where it completes, and a comm hook's callback may make another
+        # collective and wait for it (PowerSGD's do), which only the data plane's thread can sum. Such a
+        # collective, made on the completing thread, completes on the data plane's thread instead.
+        self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="switchagg-done")
+        self._completer_thread = self._completer.submit(threading.get_ident).result()
         self._store = store  # shutdown(): who has left
         atexit.register(self.close)
 
@@ -129,6 +135,7 @@ class Network:
             self.calls.closed(widths.lane_bytes(plane.stats()))
             self._watch.close()
             plane.close()
+            self._completer.shutdown(wait=False)  # close() may run on one of its threads
 
     def shutdown(self) -> None:
         """destroy_process_group() (the C++ backend's shutdown): the data plane closes. A rank that
@@ -187,7 +194,14 @@ class Network:
                 return
             done(None)
 
-        pending.add_done_callback(complete)
+        def hand_over(f: concurrent.futures.Future[None]) -> None:
+            try:
+                self._completer.submit(complete, f)
+            except RuntimeError:  # the group closed meanwhile: nobody else is left to complete it
+                complete(f)
+
+        nested = threading.get_ident() == self._completer_thread  # a callback waits for it there
+        pending.add_done_callback(complete if nested else hand_over)
         return True
 
     def _network_sum(

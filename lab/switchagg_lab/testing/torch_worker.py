@@ -1041,7 +1041,79 @@ def scenario_shards(rank: int, n: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def _train(ddp: torch.nn.Module, rank: int, steps: int) -> list[torch.Tensor]:
+    """``steps`` SGD steps of ``ddp`` on rank-own data; its parameters after them."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 32, generator=g)
+        opt.zero_grad()
+        ddp(x).pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _hooks() -> dict[str, Any]:
+    """torch's own comm hooks (name -> (state factory, hook)); PowerSGD in several forms."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def powersgd(rank: int, **kw: Any) -> Any:
+        return lambda pg: psgd.PowerSGDState(pg, matrix_approximation_rank=rank, random_seed=0, **kw)
+
+    # (state factory, hook, DDP bucket cap in MB): PowerSGD in one bucket (its callbacks' collectives
+    # and the next bucket's, made on two threads, would race for their order between ranks).
+    return {
+        "allreduce": (lambda pg: pg, default.allreduce_hook, CAP_MB),
+        "fp16_compress": (lambda pg: pg, default.fp16_compress_hook, CAP_MB),
+        "powersgd_rank1": (powersgd(1, start_powerSGD_iter=2), psgd.powerSGD_hook, 25),
+        "powersgd_rank2_cold": (powersgd(2, start_powerSGD_iter=2, warm_start=False), psgd.powerSGD_hook, 25),
+        "powersgd_rank4_no_feedback": (
+            powersgd(4, start_powerSGD_iter=2, use_error_feedback=False),
+            psgd.powerSGD_hook,
+            25,
+        ),
+    }
+
+
+def scenario_hooks(rank: int, n: int, out_dir: Path) -> None:
+    """Each torch comm hook with DDP on the switchagg group (several buckets, a few steps) against the
+    same on a gloo group of the same ranks; and a future callback that makes a second collective and
+    waits for it. Every wait is bounded by the group timeout: a hang fails the call, not the test run."""
+    dist.init_process_group("switchagg", timeout=timedelta(seconds=60))
+    pg: Any = dist.group.WORLD
+    gloo_group = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+
+    # A callback that makes a collective and waits for it, on the thread that completed the first.
+    first, second = torch.ones(1000) * (rank + 1), torch.ones(10) * (rank + 1)
+
+    def then(f: Any) -> float:
+        dist.all_reduce(second, group=pg)  # synchronous: waits inside the callback
+        return float(f.value()[0][0].item())
+
+    fut = dist.all_reduce(first, group=pg, async_op=True).get_future().then(then)
+    out["nested"] = [fut.wait(), float(second[0].item())]
+
+    for name, (make_state, hook, cap_mb) in _hooks().items():
+        params = {}
+        for where, group in (("switchagg", pg), ("gloo", gloo_group)):
+            model = DDP(make_model(), process_group=group, bucket_cap_mb=cap_mb)
+            model.register_comm_hook(make_state(group), hook)
+            params[where] = _train(model, rank, 5)
+        everyone = [torch.zeros(1) for _ in range(n)]
+        digest = torch.tensor([float(sum(p.double().sum() for p in params["switchagg"]))])
+        dist.all_gather(everyone, digest, group=gloo_group)
+        diff = max((a - b).abs().max().item() for a, b in zip(params["switchagg"], params["gloo"], strict=True))
+        scale = max(p.abs().max().item() for p in params["gloo"])
+        out[name] = {"replicas_equal": len({float(t.item()) for t in everyone}) == 1, "max_diff": diff, "scale": scale}
+    out["stats"] = backend_of(pg).stats()
+    dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+
+
 SCENARIOS = {
+    "hooks": scenario_hooks,
     "widths": scenario_widths,
     "lanes": scenario_lanes,
     "shards": scenario_shards,

@@ -1104,9 +1104,11 @@ def scenario_hooks(rank: int, n: int, out_dir: Path) -> None:
         everyone = [torch.zeros(1) for _ in range(n)]
         digest = torch.tensor([float(sum(p.double().sum() for p in params["switchagg"]))])
         dist.all_gather(everyone, digest, group=gloo_group)
-        diff = max((a - b).abs().max().item() for a, b in zip(params["switchagg"], params["gloo"], strict=True))
+        pairs = zip(params["switchagg"], params["gloo"], strict=True)
+        diff = max((a - b).abs().max().item() for a, b in pairs)
         scale = max(p.abs().max().item() for p in params["gloo"])
-        out[name] = {"replicas_equal": len({float(t.item()) for t in everyone}) == 1, "max_diff": diff, "scale": scale}
+        equal = len({float(t.item()) for t in everyone}) == 1
+        out[name] = {"replicas_equal": equal, "max_diff": diff, "scale": scale}
     out["stats"] = backend_of(pg).stats()
     dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))

@@ -626,8 +626,8 @@ def test_torch_comm_hooks_run_on_the_switchagg_group(tmp_path: Path, n: int) -> 
     waits for a second collective (issue 43: it hung on the thread that had to complete it)."""
     for rank, (code, err) in enumerate(finish(launch("hooks", n, tmp_path))):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    hooks = ("allreduce", "fp16_compress", "powersgd_rank1", "powersgd_rank2_cold")
-    hooks += ("powersgd_rank4_no_feedback",)
+    hooks = ["allreduce", "fp16_compress", "powersgd_rank1", "powersgd_rank2_cold"]
+    hooks.append("powersgd_rank4_no_feedback")
     for r in [read(tmp_path, rank) for rank in range(n)]:
         assert r["nested"] == [sum(range(1, n + 1))] * 2
         for name in hooks:

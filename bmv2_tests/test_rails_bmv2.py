@@ -102,7 +102,12 @@ def _striped_job(rails: Any, tmp_path: Path) -> list[dict[str, Any]]:
                 assert p.stdin is not None
                 p.stdin.write("go\n")
                 p.stdin.flush()
-            assert all("sum" in _line(p) for p in procs)
+            lines = [_line(p) for p in procs]
+            assert all("sum" in line for line in lines)
+        # Each rail's sessions said hello in rounds of their own (docs/PROTOCOL.md, Sessions); a
+        # worker's count is its shards' together, the same rounds on each rail here (fresh switches).
+        assert all(line["hello_rounds"] % RAILS == 0 for line in lines), lines
+        hello = lines[0]["hello_rounds"] // RAILS
 
         (job,) = json.loads(c.ctl("jobs", "--json", *c.client_args()).stdout)["jobs"]
         assert job["data_plane"] == "striped" and job["job_id"] == joined[0]["job_id"]
@@ -113,7 +118,7 @@ def _striped_job(rails: Any, tmp_path: Path) -> list[dict[str, Any]]:
         chunks = [-(-(hi - lo) // protocol.P4_K) for lo, hi in shard_bounds(LENGTH, protocol.P4_K, RAILS)]
         on_switch = [job_counters(sw.grpc_address, 0, p4_program.JOB_COUNTER_NAMES) for sw in rails.switches]
         for s, counted in enumerate(on_switch):
-            want = WORKERS * chunks[s] * ITERATIONS
+            want = WORKERS * (chunks[s] * ITERATIONS + hello)
             assert counted["aggregated"] == want and counted["multicast"] > 0, (s, counted, want)
         # The controller's counters show each rail's share of the job under its pool name.
         counters = json.loads(c.ctl("counters", "--json", *c.client_args()).stdout)

@@ -65,6 +65,21 @@ def test_a_rail_that_loses_frames_repairs_its_own_shard(rails: Any, tmp_path: Pa
     )
 
 
+def _step(procs: list[subprocess.Popen[str]]) -> int:
+    """ITERATIONS int32 allreduces, one per line to every worker; the hello rounds each rail took."""
+    for _ in range(ITERATIONS):
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines = [_line(p) for p in procs]
+        assert all("sum" in line for line in lines)
+    # Each rail's sessions said hello in rounds of their own (docs/PROTOCOL.md, Sessions); a worker's
+    # count is its shards' together, the same rounds on each rail here (fresh switches).
+    assert all(line["hello_rounds"] % RAILS == 0 for line in lines), lines
+    return int(lines[0]["hello_rounds"]) // RAILS
+
+
 def _striped_job(rails: Any, tmp_path: Path) -> list[dict[str, Any]]:
     """A job of WORKERS joined with shards = RAILS, ITERATIONS int32 allreduces and a float32 one,
     everything checked; the workers' reports."""
@@ -97,17 +112,7 @@ def _striped_job(rails: Any, tmp_path: Path) -> list[dict[str, Any]]:
             )
         joined = [_line(p) for p in procs]  # {"job_id", "k"} once the job is installed
         assert {j["k"] for j in joined} == {protocol.P4_K} and len({j["job_id"] for j in joined}) == 1
-        for _ in range(ITERATIONS):  # one int32 allreduce per line, while the job is live
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            lines = [_line(p) for p in procs]
-            assert all("sum" in line for line in lines)
-        # Each rail's sessions said hello in rounds of their own (docs/PROTOCOL.md, Sessions); a
-        # worker's count is its shards' together, the same rounds on each rail here (fresh switches).
-        assert all(line["hello_rounds"] % RAILS == 0 for line in lines), lines
-        hello = lines[0]["hello_rounds"] // RAILS
+        hello = _step(procs)
 
         (job,) = json.loads(c.ctl("jobs", "--json", *c.client_args()).stdout)["jobs"]
         assert job["data_plane"] == "striped" and job["job_id"] == joined[0]["job_id"]

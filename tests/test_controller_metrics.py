@@ -74,9 +74,13 @@ def test_metrics_move_as_a_job_runs_on_the_software_aggregator(software_controll
         assert not any(w["left"] for w in listed["workers"])
         (plane,) = ctl_json(software_controller, "counters")["data_planes"]
         assert plane["data_plane"] == "software" and set(plane["drops"]) == set(protocol.DROP_REASONS)
-        counts = {"aggregated": (2 * chunks + hello) * n, "multicast": 2 * chunks + hello, "resent": 0}
-        counts["retrans_ignored"] = 0
-        assert plane["jobs"] == [{"job_id": job_id, **counts}]
+        counts = {"job_id": job_id, "aggregated": (2 * chunks + hello) * n, "multicast": 2 * chunks + hello}
+        # No resend count is asserted: on a loaded machine a loss-free run still resends when a timer
+        # fires early (a tail probe while a peer is descheduled), answered from the stored result or
+        # ignored, never counted as a contribution (the exact counts above).
+        (listed_job,) = plane["jobs"]
+        assert {name: listed_job[name] for name in counts} == counts
+        assert set(listed_job) == {*counts, "resent", "retrans_ignored"}
         assert plane["total"]["rx"] >= 2 * n * chunks
         leave(procs)
     finally:

@@ -484,6 +484,11 @@ static void process_from_spine(struct sa_agg_thread *t, const uint8_t *buf, size
     multicast(t, j, ntohs(h->pool), si);
 }
 
+/* Does state index si hold a round of this installation and of session `inc` (its stamp)? */
+static inline int of_session(const struct job *j, size_t si, uint32_t inc) {
+    return j->sgen[si] == j->gen && j->sinc[si] == inc;
+}
+
 static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, const struct sockaddr_in *src) {
     if (len < SA_HEADER_LEN) {
         t->drops[SA_DROP_TRUNCATED]++;
@@ -527,7 +532,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
 
     size_t si = 2 * (size_t)local + s, so = 2 * (size_t)local + (1 - s);
     uint32_t inc = ntohl(h->key); /* the sender's session incarnation */
-    if (j->sgen[si] != j->gen || j->sinc[si] != inc) {
+    if (!of_session(j, si, inc)) {
         /* The set holds another installation's or another session's round (or none): this packet finds
          * it empty, so no bit of an earlier session makes it a retransmission of a round it never sent. */
         j->sgen[si] = j->gen;
@@ -541,7 +546,7 @@ static void process(struct sa_agg_thread *t, const uint8_t *buf, size_t len, con
     if ((j->bitmap[si] & bit) == 0) {
         int first = j->bitmap[si] == 0;
         j->bitmap[si] |= bit;
-        if (j->sgen[so] == j->gen && j->sinc[so] == inc) j->bitmap[so] &= ~bit; /* only this session's round */
+        if (of_session(j, so, inc)) j->bitmap[so] &= ~bit; /* only this session's round */
         uint8_t poison = h->flags & SA_POISON_FLAGS;
         if (first) { /* overwrite: no reset of the slot is ever needed */
             k_load(v, p, k);

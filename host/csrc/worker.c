@@ -263,6 +263,11 @@ static void local_scales(run_t *r, size_t upto) {
     }
 }
 
+/* The identity flags every packet of the call carries (PRIME aside): its kind, lane width, hello. */
+static uint8_t call_flags(const run_t *r) {
+    return (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag | (r->hello ? SA_FLAG_HELLO : 0);
+}
+
 /* Build the outstanding packet of slot i for its current chunk and phase. */
 static void build_packet(run_t *r, size_t i) {
     struct sa_worker *w = r->w;
@@ -282,7 +287,7 @@ static void build_packet(run_t *r, size_t i) {
     h->call = htonl(r->call);
     h->total = htonl((uint32_t)r->len);
     h->key = htonl(r->inc); /* a DATA's key field: its session incarnation */
-    uint8_t kind_flag = (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag | (r->hello ? SA_FLAG_HELLO : 0);
+    uint8_t kind_flag = call_flags(r);
     if (s->phase == SLOT_ABORT) { /* its payload says who gave up on which call */
         h->flags = SA_FLAG_ABORT | kind_flag;
         h->exp = SA_EXP_NONE;
@@ -698,8 +703,7 @@ static long match_result(run_t *r, const uint8_t *pkt, size_t len, int *poisoned
     if (*poisoned) return i;
     if (ntohl(h->offset) != (uint32_t)((size_t)s->chunk * r->vals)) return -1;
     if (ntohl(h->call) != r->call || ntohl(h->total) != (uint32_t)r->len) return -1;
-    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | (r->kind == 'f' ? SA_FLAG_FLOAT : 0) | r->lane_flag |
-                   (r->hello ? SA_FLAG_HELLO : 0);
+    uint8_t want = (s->phase == SLOT_PRIME ? SA_FLAG_PRIME : 0) | call_flags(r);
     if ((h->flags & SA_IDENTITY_FLAGS) != want) return -1;
     return i;
 }
